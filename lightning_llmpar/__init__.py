@@ -1,0 +1,21 @@
+"""lightning_llmpar: LLM-style parallelism (tensor, sequence, ZeRO/FSDP, hybrid) for any LightningModule."""
+
+from lightning_llmpar.checkpoint import export_consolidated
+from lightning_llmpar.layout import ParallelLayout
+from lightning_llmpar.parallelize import ParallelConfig, parallelize
+from lightning_llmpar.registry import PRESETS, register_strategies
+from lightning_llmpar.strategy import LLMParallelStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLMParallelStrategy",
+    "ParallelLayout",
+    "ParallelConfig",
+    "parallelize",
+    "export_consolidated",
+    "PRESETS",
+    "__version__",
+]
+
+register_strategies()

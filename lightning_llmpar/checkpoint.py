@@ -1,0 +1,106 @@
+"""Distributed checkpoints (torch.distributed.checkpoint) that any layout can resume from.
+
+Keys are the model's own parameter names and the optimizer state is flattened to those names, so
+a checkpoint written by tp2 x dp2 loads into dp2, into one process, or into any other layout: DCP
+reshards on load. A checkpoint is written into a hidden sibling folder and renamed into place once
+every rank has finished, so a crash never leaves a half-written checkpoint under the final name.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+__all__ = ["save_checkpoint", "load_checkpoint", "is_checkpoint", "export_consolidated", "META_FILE"]
+
+META_FILE = "meta.pt"  # everything Lightning keeps besides tensors: loops, callbacks, schedulers, hparams
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and (path / META_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def _tensor_state(model: nn.Module, optimizers: Sequence[Optimizer]) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    for i, opt in enumerate(optimizers):
+        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt, options=_OPTIM_OPTIONS)
+    return state
+
+
+def save_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    meta: dict[str, Any],
+    *,
+    is_rank_zero: bool,
+    barrier: Callable[[], None],
+) -> Path:
+    """Write model + optimizer shards and ``meta``; visible under ``path`` only once complete."""
+    path = Path(path)
+    staging = path.with_name(f".{path.name}.partial")
+    if is_rank_zero and staging.exists():
+        shutil.rmtree(staging)
+    barrier()
+    dcp.save(_tensor_state(model, optimizers), checkpoint_id=staging)
+    if is_rank_zero:
+        torch.save(meta, staging / META_FILE)
+    barrier()
+    if is_rank_zero:
+        old = path.with_name(f".{path.name}.old")
+        if path.exists():
+            path.rename(old) if path.is_dir() else path.unlink()
+        staging.rename(path)
+        if old.exists():
+            shutil.rmtree(old)
+    barrier()
+    return path
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizers: Sequence[Optimizer]) -> dict[str, Any]:
+    """Load shards into ``model``/``optimizers`` in whatever layout they are now; return the meta dict."""
+    path = Path(path)
+    if not is_checkpoint(path):
+        raise FileNotFoundError(
+            f"{path} is not a complete llmpar checkpoint (a folder with '.metadata' and '{META_FILE}')."
+        )
+    state = _tensor_state(model, optimizers)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    for i, opt in enumerate(optimizers):
+        set_optimizer_state_dict(model, opt, state[f"optimizer_{i}"], options=_OPTIM_OPTIONS)
+    return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+
+
+def export_consolidated(path: str | Path, output: str | Path) -> Path:
+    """Gather the model weights of a distributed checkpoint into one ``torch.save`` file (one process)."""
+    path, output = Path(path), Path(output)
+    metadata = FileSystemReader(path).read_metadata()
+    state: dict[str, Any] = {"model": {}}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
+            state["model"][key[len("model.") :]] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".partial")
+    torch.save(state["model"], tmp)
+    tmp.replace(output)
+    return output

@@ -1,0 +1,70 @@
+"""Data parallelism with ZeRO stages 0-3 on FSDP2 (``fully_shard``), including hybrid sharding.
+
+Stage -> FSDP2 setting:
+- 0: parameters replicated, gradients all-reduced. FSDP2 on a (replicate=dp, shard=1) mesh, which is
+  DDP's arithmetic and, unlike DDP, accepts the DTensor parameters tensor parallelism produces.
+- 1, 2: optimizer state and gradients sharded, parameters gathered once per step and kept through
+  backward (``reshard_after_forward=False``). FSDP2 always reduce-scatters gradients into shards:
+  that costs the same bytes as an all-reduce, so stage 1 runs as stage 2.
+- 3: parameters sharded too and re-gathered for backward (``reshard_after_forward=True``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from lightning_llmpar.structure import BlockStack
+
+__all__ = ["apply_data_parallel", "no_gradient_sync"]
+
+
+def apply_data_parallel(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    zero_stage: int,
+    blocks: BlockStack | None,
+    cpu_offload: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
+    """Wrap each block, then the root, with ``fully_shard`` over the 2-D (dp_replicate, dp_shard) mesh."""
+    offload: OffloadPolicy = OffloadPolicy()
+    if cpu_offload:
+        # Pinned memory needs an accelerator; on a CPU-only host pinning fails outright.
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    kwargs = {
+        "mesh": dp_mesh,
+        "reshard_after_forward": zero_stage == 3,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": offload,
+    }
+    # Blocks first: each becomes its own all-gather / reduce-scatter unit, so communication for block
+    # i+1 overlaps compute of block i. The root then owns what is left (embeddings, norm, head).
+    if blocks is not None:
+        for block in blocks.blocks:
+            fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally (no reduce-scatter/all-reduce) for the non-final micro-batches."""
+    modules = _fsdp_modules(model)
+    for module in modules:
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.set_requires_gradient_sync(True, recurse=False)

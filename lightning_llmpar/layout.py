@@ -1,0 +1,143 @@
+"""One validated description of how the world is split: degrees, mesh and the checks behind them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["ParallelLayout", "ZERO_STAGES"]
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+# Mesh axes from outermost to innermost. Tensor parallel is innermost so its (chatty) ranks are
+# neighbours on one node; pipeline is outermost because it only sends activations between stages.
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Degrees of every parallel axis, checked against each other and the world size.
+
+    ``dp_replicate`` x ``dp_shard`` is the data-parallel degree. ZeRO stage 0 replicates parameters
+    (``dp_shard`` is 1); stages 1-3 shard over ``dp_shard`` and replicate over ``dp_replicate``
+    (hybrid sharding when both are above 1).
+    """
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    zero_stage: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp", "pp", "dp_replicate", "dp_shard"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelLayout: `{name}` must be a positive integer, got {value!r}.")
+        if self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"`zero_stage` must be one of {ZERO_STAGES}, got {self.zero_stage!r}.")
+        if self.zero_stage == 0 and self.dp_shard != 1:
+            raise ValueError(
+                f"zero_stage=0 replicates parameters, so there is nothing to shard over dp_shard={self.dp_shard}."
+                " Use zero_stage>=1 for sharding, or set data_parallel_replicate=data_parallel."
+            )
+        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        if product != self.world_size:
+            raise ValueError(
+                f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * tp({self.tp}) * pp({self.pp})"
+                f" = {product} != world_size({self.world_size}). Choose degrees whose product is the number of"
+                " processes (devices x nodes), or leave `data_parallel` as 'auto'."
+            )
+
+    @classmethod
+    def from_degrees(
+        cls,
+        world_size: int,
+        *,
+        tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
+        data_parallel: int | str = "auto",
+        data_parallel_replicate: int | str = "auto",
+        zero_stage: int = 0,
+    ) -> ParallelLayout:
+        """Build a layout from the user-facing degrees, inferring 'auto' values from the world size."""
+        for name, value in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        model_parallel = tensor_parallel * pipeline_parallel
+        if data_parallel == "auto":
+            if world_size % model_parallel != 0:
+                raise ValueError(
+                    f"world_size({world_size}) is not divisible by tensor_parallel({tensor_parallel}) *"
+                    f" pipeline_parallel({pipeline_parallel}) = {model_parallel}. Change the number of devices"
+                    " or the parallel degrees."
+                )
+            data_parallel = world_size // model_parallel
+        if not isinstance(data_parallel, int) or data_parallel < 1:
+            raise ValueError(f"`data_parallel` must be a positive integer or 'auto', got {data_parallel!r}.")
+        if zero_stage == 0:
+            replicate = data_parallel if data_parallel_replicate == "auto" else data_parallel_replicate
+            if replicate != data_parallel:
+                raise ValueError(
+                    f"zero_stage=0 replicates parameters on every data-parallel rank, so data_parallel_replicate"
+                    f"({data_parallel_replicate}) must equal data_parallel({data_parallel}) or be 'auto'."
+                )
+        else:
+            replicate = 1 if data_parallel_replicate == "auto" else data_parallel_replicate
+        if not isinstance(replicate, int) or replicate < 1 or data_parallel % replicate != 0:
+            raise ValueError(
+                f"data_parallel_replicate({data_parallel_replicate}) must be a positive divisor of"
+                f" data_parallel({data_parallel}): each of the replicas shards over data_parallel / replicas ranks."
+            )
+        return cls(
+            world_size=world_size,
+            tp=tensor_parallel,
+            pp=pipeline_parallel,
+            dp_replicate=replicate,
+            dp_shard=data_parallel // replicate,
+            zero_stage=zero_stage,
+        )
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+
+    def __str__(self) -> str:
+        return (
+            f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} x pp={self.pp}"
+            f" (zero_stage={self.zero_stage}, world_size={self.world_size})"
+        )
+
+    def validate_model(self, num_heads: int | None, num_kv_heads: int | None, hidden: int | None) -> None:
+        """Shape checks that need the model; raised before any parameter is sharded."""
+        checks = (("attention heads", num_heads), ("key/value heads", num_kv_heads), ("hidden size", hidden))
+        for what, value in checks:
+            if value is not None and value % self.tp != 0:
+                raise ValueError(
+                    f"The model's {what} ({value}) is not divisible by tensor_parallel({self.tp}). Pick a"
+                    f" tensor_parallel degree that divides {value}."
+                )
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The one mesh every technique takes its sub-meshes from; data-parallel axes are flattened as 'dp'."""
+        shape = tuple(self.degrees[axis] for axis in MESH_AXES)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh
+
+
+def rank_coordinates(mesh: DeviceMesh) -> dict[str, int]:
+    """This rank's index along each named axis."""
+    names = mesh.mesh_dim_names or ()
+    return {name: mesh.get_local_rank(name) for name in names}
+
+
+def device_type_of(device: torch.device) -> str:
+    return device.type

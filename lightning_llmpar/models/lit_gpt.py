@@ -1,0 +1,78 @@
+"""The example GPT as an ordinary single-device LightningModule (no parallelism code in it)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor
+from torchmetrics.text import Perplexity
+
+from lightning_llmpar.models.gpt import GPT, GPTConfig
+
+__all__ = ["GPTModule"]
+
+
+class GPTModule(LightningModule):
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_kv_head: int = 2,
+        n_embd: int = 128,
+        learning_rate: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 20,
+        total_steps: int = 1000,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = GPT(
+            GPTConfig(
+                vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                n_kv_head=n_kv_head, n_embd=n_embd,
+            )
+        )
+        self.val_ppl = Perplexity()
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(idx)
+
+    def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = self._loss(self(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.val_ppl.update(logits.float(), y)
+        self.log("val/loss", self._loss(logits, y), sync_dist=True)
+        self.log("val/ppl", self.val_ppl, prog_bar=True)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        hp = self.hparams
+        decay = [p for p in self.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.learning_rate,
+            betas=(0.9, 0.95),
+        )
+
+        def schedule(step: int) -> float:
+            if step < hp.warmup_steps:
+                return (step + 1) / hp.warmup_steps
+            progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.total_steps - hp.warmup_steps))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,382 @@
+"""LLMParallelStrategy: a thin Lightning adapter over layout -> mesh -> parallelize -> checkpoint."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_llmpar import checkpoint as ckpt
+from lightning_llmpar.clip import clip_grad_norm_
+from lightning_llmpar.data_parallel import no_gradient_sync
+from lightning_llmpar.layout import ZERO_STAGES, ParallelLayout
+from lightning_llmpar.parallelize import ParallelConfig, parallelize
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["LLMParallelStrategy"]
+
+_START_METHOD = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+def _positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
+    if allow_auto and value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        extra = " or 'auto'" if allow_auto else ""
+        raise ValueError(f"LLMParallelStrategy: `{name}` must be a positive integer{extra}, got {value!r}.")
+
+
+class LLMParallelStrategy(ParallelStrategy):
+    """Tensor, data (ZeRO 0-3, hybrid) and sequence parallelism for any LightningModule on one device mesh.
+
+    Args:
+        tensor_parallel: ranks that split every weight matrix (Megatron column/row).
+        data_parallel: data-parallel ranks; 'auto' = world size / (tensor_parallel x pipeline_parallel).
+        pipeline_parallel: pipeline stages (1 = no pipeline).
+        zero_stage: 0 replicated (DDP), 1 optimizer state sharded, 2 + gradients, 3 + parameters (FSDP).
+        data_parallel_replicate: replicas for hybrid sharding: parameters are sharded over
+            data_parallel / data_parallel_replicate ranks and replicated across replicas. 'auto' = 1 for
+            zero_stage >= 1 (full sharding) and data_parallel for zero_stage 0; 'num_nodes' shards within a
+            node and replicates across nodes.
+        sequence_parallel: with tensor_parallel > 1, shard activations along the sequence between the
+            tensor-parallel regions (norms, residuals), saving activation memory at no extra traffic.
+        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory (zero_stage >= 1).
+        tp_plan: explicit tensor-parallel plan, module-name pattern -> style, taking precedence over the
+            inferred plan (see ``lightning_llmpar.tensor_parallel.TP_STYLES``).
+        start_method: how processes are started when no launcher (torchrun, SLURM) started them.
+    """
+
+    strategy_name = "llmpar"
+
+    def __init__(
+        self,
+        tensor_parallel: int = 1,
+        data_parallel: int | Literal["auto"] = "auto",
+        pipeline_parallel: int = 1,
+        zero_stage: int = 0,
+        data_parallel_replicate: int | Literal["auto", "num_nodes"] = "auto",
+        sequence_parallel: bool = True,
+        cpu_offload: bool = False,
+        tp_plan: dict[str, str] | None = None,
+        start_method: _START_METHOD = "popen",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        _positive_int("tensor_parallel", tensor_parallel)
+        _positive_int("pipeline_parallel", pipeline_parallel)
+        _positive_int("data_parallel", data_parallel, allow_auto=True)
+        if data_parallel_replicate != "num_nodes":
+            _positive_int("data_parallel_replicate", data_parallel_replicate, allow_auto=True)
+        if zero_stage not in ZERO_STAGES:
+            raise ValueError(f"LLMParallelStrategy: `zero_stage` must be one of {ZERO_STAGES}, got {zero_stage!r}.")
+        if pipeline_parallel != 1:
+            raise ValueError(
+                f"LLMParallelStrategy: pipeline_parallel={pipeline_parallel} is not available in this version;"
+                " use pipeline_parallel=1."
+            )
+        if cpu_offload and zero_stage == 0:
+            raise ValueError(
+                "LLMParallelStrategy: cpu_offload=True needs sharded state to offload; set zero_stage to 1, 2 or 3."
+            )
+        if start_method not in get_args(_START_METHOD):
+            raise ValueError(f"`start_method` must be one of {get_args(_START_METHOD)}, got {start_method!r}.")
+        if tp_plan is not None and not isinstance(tp_plan, Mapping):
+            raise ValueError(f"`tp_plan` must map module-name patterns to style names, got {type(tp_plan).__name__}.")
+        self._degrees = {
+            "tensor_parallel": tensor_parallel,
+            "pipeline_parallel": pipeline_parallel,
+            "data_parallel": data_parallel,
+            "data_parallel_replicate": data_parallel_replicate,
+            "zero_stage": zero_stage,
+        }
+        self.parallel_config = ParallelConfig(
+            sequence_parallel=sequence_parallel, tp_plan=dict(tp_plan or {}), cpu_offload=cpu_offload
+        )
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._layout: ParallelLayout | None = None
+        self._device_mesh: DeviceMesh | None = None
+        self.num_nodes = 1
+
+    # ----------------------------------------------------------------- layout and processes
+
+    def _build_layout(self, world_size: int) -> ParallelLayout:
+        degrees = dict(self._degrees)
+        if degrees["data_parallel_replicate"] == "num_nodes":
+            degrees["data_parallel_replicate"] = self.num_nodes
+        return ParallelLayout.from_degrees(world_size, **degrees)
+
+    @property
+    def layout(self) -> ParallelLayout:
+        if self._layout is None:
+            self._layout = self._build_layout(self.num_nodes * self.num_processes)
+        return self._layout
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists only after the processes have been initialized.")
+        return self._device_mesh
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning only syncs `self.log(sync_dist=True)` and adds a DistributedSampler when this is True.
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp_mesh = self.device_mesh["dp"]
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Validate the degrees against the world size here, at Trainer construction, before any
+        # process is launched or any process group is created.
+        self._layout = self._build_layout(self.num_nodes * self.num_processes)
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._layout = self._build_layout(self.world_size)
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        self._device_mesh = self.layout.build_mesh(self.root_device.type)
+        assert self.lightning_module is not None
+        # Lets `LightningModule.configure_model()` and `self.device_mesh` see the mesh, as in Lightning.
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ----------------------------------------------------------------- model
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        parallelize(module, self.layout, self.device_mesh, self.parallel_config)
+        _materialize_distributed_module(module, self.root_device)
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._install_global_clipping()
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _install_global_clipping(self) -> None:
+        # Lightning clips with torch.nn.utils.clip_grad_norm_, which cannot stack DTensors from different
+        # meshes and would clip each shard by its own norm. Every precision plugin funnels through
+        # `clip_grad_by_norm`, so routing that one method keeps loss scaling (unscale first) intact.
+        precision = self.precision_plugin
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float | int) -> None:
+            clip_grad_norm_(list(precision.main_params(optimizer)), float(clip_val))
+
+        precision.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    def _through_root(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        # Route step methods through the root module's __call__ so FSDP2's root hooks (all-gather of the
+        # root's own parameters, backward prefetch set-up) fire even if the step never calls `self(...)`.
+        assert self.model is not None and self.lightning_module is not None
+        return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._through_root("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._through_root("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._through_root("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._through_root("predict_step", *args, **kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        assert self.model is not None
+        with no_gradient_sync(self.model):
+            yield None
+
+    # ----------------------------------------------------------------- collectives
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ----------------------------------------------------------------- checkpoints
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # Tensors are written by `save_checkpoint` straight from the sharded model; nothing to gather here.
+        return {}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return {}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in `load_checkpoint`, where the sharded model is at hand
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in `load_checkpoint`
+
+    def _raw_optimizers(self) -> list[Optimizer]:
+        return [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
+        path = Path(self.broadcast(str(filepath)))
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        meta["llmpar_layout"] = str(self.layout)
+        assert self.model is not None
+        ckpt.save_checkpoint(
+            path, self.model, self._raw_optimizers(), meta, is_rank_zero=self.is_global_zero, barrier=self.barrier
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None
+        return ckpt.load_checkpoint(path, self.model, self._raw_optimizers())
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()

@@ -1,0 +1,132 @@
+"""What the ranks run in tests: tiny models, deterministic data, a fit that records losses and gradients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_llmpar import LLMParallelStrategy
+from lightning_llmpar.models import GPTModule
+
+VOCAB, SEQ = 64, 16
+
+
+class TokenData(LightningDataModule):
+    """Fixed random token windows; no shuffling, so DistributedSampler splits batches deterministically."""
+
+    def __init__(self, batch_size: int, n: int = 256, seed: int = 1234) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+        self.data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        # Lightning's own sampler always shuffles training data; parity needs rank r of dp to take
+        # samples r, r+dp, ... so that the dp ranks together see exactly the single-process batch.
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        sampler = DistributedSampler(self.data, shuffle=False, **kwargs) if kwargs else None
+        return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self.batch_size, shuffle=False)
+
+
+def make_gpt() -> LightningModule:
+    return GPTModule(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                     learning_rate=1e-2, warmup_steps=2, total_steps=20)
+
+
+class HFLlamaModule(LightningModule):
+    """A transformers Llama built small from a config (random weights), as a user would wrap it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                          tie_word_embeddings=False, attn_implementation="sdpa")
+        self.model = LlamaForCausalLM(cfg)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+MODELS = {"gpt": make_gpt, "llama": HFLlamaModule}
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+class Recorder(Callback):
+    """Per-step loss, full gradients of the first step, and full parameters at the end."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grads: dict[str, torch.Tensor] = {}
+        self.grad_norms: list[float] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if not self.grads:
+            self.grads = {n: full(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
+
+
+def fit(
+    model: str,
+    strategy_kwargs: dict[str, Any] | None,
+    *,
+    steps: int = 10,
+    batch_size: int = 8,
+    accumulate: int = 1,
+    clip: float | None = None,
+    ckpt_path: str | None = None,
+    save_to: str | None = None,
+) -> dict[str, Any]:
+    """Train ``model`` for ``steps`` and report what a parity test compares.
+
+    ``strategy_kwargs=None`` runs plain single-device Lightning: the reference.
+    ``batch_size`` is per data-parallel rank.
+    """
+    seed_everything(0, verbose=False)
+    module = MODELS[model]()
+    recorder = Recorder()
+    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    strategy: Any = "auto" if strategy_kwargs is None else LLMParallelStrategy(**strategy_kwargs)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1 if strategy_kwargs is None else world,
+        strategy=strategy,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[recorder],
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module, datamodule=TokenData(batch_size), ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    params = {n: full(p) for n, p in module.named_parameters()}
+    return {"losses": recorder.losses, "grads": recorder.grads, "params": params}
