@@ -98,6 +98,8 @@ def fit(
     clip: float | None = None,
     ckpt_path: str | None = None,
     save_to: str | None = None,
+    sgd: bool = False,
+    samples: int = 256,
 ) -> dict[str, Any]:
     """Train ``model`` for ``steps`` and report what a parity test compares.
 
@@ -106,6 +108,8 @@ def fit(
     """
     seed_everything(0, verbose=False)
     module = MODELS[model]()
+    if sgd:  # Adam cancels any per-tensor gradient scale; SGD makes a wrong clipping factor visible
+        module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.5)  # type: ignore[method-assign]
     recorder = Recorder()
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
     strategy: Any = "auto" if strategy_kwargs is None else LLMParallelStrategy(**strategy_kwargs)
@@ -125,8 +129,9 @@ def fit(
         callbacks=[recorder],
         use_distributed_sampler=False,
     )
-    trainer.fit(module, datamodule=TokenData(batch_size), ckpt_path=ckpt_path)
+    trainer.fit(module, datamodule=TokenData(batch_size, n=samples), ckpt_path=ckpt_path)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     params = {n: full(p) for n, p in module.named_parameters()}
-    return {"losses": recorder.losses, "grads": recorder.grads, "params": params}
+    local_shapes = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in module.named_parameters()}
+    return {"losses": recorder.losses, "grads": recorder.grads, "params": params, "local_shapes": local_shapes}
