@@ -100,6 +100,7 @@ def fit(
     save_to: str | None = None,
     sgd: bool = False,
     samples: int = 256,
+    epochs: int | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` for ``steps`` and report what a parity test compares.
 
@@ -111,6 +112,7 @@ def fit(
     if sgd:  # Adam cancels any per-tensor gradient scale; SGD makes a wrong clipping factor visible
         module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.5)  # type: ignore[method-assign]
     recorder = Recorder()
+    callbacks: list[Callback] = [recorder]
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
     strategy: Any = "auto" if strategy_kwargs is None else LLMParallelStrategy(**strategy_kwargs)
     trainer = Trainer(
@@ -126,7 +128,8 @@ def fit(
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[recorder],
+        callbacks=callbacks,
+        max_epochs=epochs,
         use_distributed_sampler=False,
     )
     trainer.fit(module, datamodule=TokenData(batch_size, n=samples), ckpt_path=ckpt_path)
