@@ -1,0 +1,130 @@
+"""Every configuration a user can get wrong fails early with a ValueError that names the values and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch import nn
+
+from lightning_llmpar import LLMParallelStrategy, ParallelLayout
+from lightning_llmpar.models import GPT, GPTConfig
+from lightning_llmpar.tensor_parallel import infer_tp_plan
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"zero_stage": 4}, r"`zero_stage` must be one of \(0, 1, 2, 3\), got 4"),
+        ({"tensor_parallel": 0}, r"`tensor_parallel` must be a positive integer, got 0"),
+        ({"data_parallel": -2}, r"`data_parallel` must be a positive integer or 'auto', got -2"),
+        ({"pipeline_parallel": 2}, r"pipeline_parallel=2 is not available"),
+        ({"cpu_offload": True}, r"cpu_offload=True needs sharded state.*zero_stage to 1, 2 or 3"),
+        ({"start_method": "thread"}, r"`start_method` must be one of"),
+        ({"tp_plan": ["q_proj"]}, r"`tp_plan` must map module-name patterns"),
+    ],
+)
+def test_strategy_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LLMParallelStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("devices", "kwargs", "match"),
+    [
+        (3, {"tensor_parallel": 2}, r"world_size\(3\) is not divisible by tensor_parallel\(2\) \* pipeline_parallel\(1\)"),
+        (2, {"data_parallel": 4}, r"dp_replicate\(4\) \* dp_shard\(1\) \* tp\(1\) \* pp\(1\) = 4 != world_size\(2\)"),
+        (4, {"zero_stage": 3, "data_parallel_replicate": 3}, r"data_parallel_replicate\(3\) must be a positive divisor"),
+        (2, {"zero_stage": 0, "data_parallel_replicate": 1}, r"zero_stage=0 replicates parameters"),
+    ],
+)
+def test_layout_is_checked_when_the_trainer_is_built(devices: int, kwargs: dict, match: str) -> None:
+    # Raised in Trainer(...), before any process is launched or any process group exists.
+    with pytest.raises(ValueError, match=match):
+        Trainer(accelerator="cpu", devices=devices, strategy=LLMParallelStrategy(**kwargs), logger=False)
+    assert not torch.distributed.is_initialized()
+
+
+def test_layout_object_names_every_degree() -> None:
+    layout = ParallelLayout.from_degrees(8, tensor_parallel=2, zero_stage=3, data_parallel_replicate=2)
+    assert (layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp) == (2, 2, 2, 1)
+    assert layout.dp == 4
+    with pytest.raises(ValueError, match=r"dp_replicate\(1\) \* dp_shard\(2\) \* tp\(2\) \* pp\(1\) = 4 != world_size\(8\)"):
+        ParallelLayout(world_size=8, dp_shard=2, tp=2, zero_stage=3)
+
+
+def _gpt(**overrides: int) -> GPT:
+    cfg = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+    cfg.update(overrides)
+    return GPT(GPTConfig(**cfg))
+
+
+def test_heads_not_divisible_by_tp() -> None:
+    with pytest.raises(ValueError, match=r"Attention module 'layers.0.attn': n_kv_head = 2 is not divisible by tensor_parallel\(4\)"):
+        infer_tp_plan(_gpt(), 4)
+    with pytest.raises(ValueError, match=r"n_head = 4 is not divisible by tensor_parallel\(3\)"):
+        infer_tp_plan(_gpt(vocab_size=66), 3)
+
+
+def test_vocabulary_not_divisible_by_tp() -> None:
+    with pytest.raises(ValueError, match=r"Embedding 'tok_emb' has 65 rows, not divisible by tensor_parallel\(2\)"):
+        infer_tp_plan(_gpt(vocab_size=65), 2)
+
+
+class _FusedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.proj = nn.Linear(16, 16)
+
+
+class _OddBlock(nn.Module):
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.attn = _FusedAttention() if fused else nn.Identity()
+        self.router = nn.Linear(16, 4)
+
+
+class _Stack(nn.Module):
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_OddBlock(fused) for _ in range(2))
+
+
+def test_fused_qkv_is_named_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"Module 'blocks.0.attn.qkv' fuses several projections.*tp_plan="):
+        infer_tp_plan(_Stack(fused=True), 2)
+
+
+def test_unknown_linear_is_named_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"Cannot decide how to split Linear 'blocks.0.router'.*tp_plan=\{'blocks.0.router': 'replicate'\}"):
+        infer_tp_plan(_Stack(fused=False), 2)
+
+
+def test_explicit_plan_covers_what_inference_cannot() -> None:
+    plan = infer_tp_plan(_Stack(fused=False), 2, user_plan={"blocks.*.router": "replicate"})
+    assert plan["blocks.0.router"] is None
+    with pytest.raises(ValueError, match=r"tp_plan\['blocks.\*.router'\] = 'diagonal' is not a known style"):
+        infer_tp_plan(_Stack(fused=False), 2, user_plan={"blocks.*.router": "diagonal"})
+
+
+def test_model_without_block_stack() -> None:
+    with pytest.raises(ValueError, match=r"Could not find a stack of transformer blocks.*in Sequential"):
+        infer_tp_plan(nn.Sequential(nn.Linear(4, 4)), 2)
+
+
+def test_tied_embedding_and_head_refused() -> None:
+    model = _gpt()
+    model.lm_head.weight = model.tok_emb.weight
+    with pytest.raises(ValueError, match=r"tied to 'tok_emb'.*tie_word_embeddings=False"):
+        infer_tp_plan(model, 2)
+
+
+def test_registered_names() -> None:
+    import lightning_llmpar  # noqa: F401 - registration happens at import
+
+    trainer = Trainer(accelerator="cpu", devices=1, strategy="llmpar_fsdp", logger=False)
+    assert isinstance(trainer.strategy, LLMParallelStrategy)
+    assert trainer.strategy.layout.zero_stage == 3
+    trainer = Trainer(accelerator="cpu", devices=1, strategy="llmpar_tp", logger=False)
+    assert trainer.strategy.layout.tp == 1
