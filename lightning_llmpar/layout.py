@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["ParallelLayout", "ZERO_STAGES"]
@@ -125,19 +124,8 @@ class ParallelLayout:
                     f" tensor_parallel degree that divides {value}."
                 )
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The one mesh every technique takes its sub-meshes from; data-parallel axes are flattened as 'dp'."""
+    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+        """The one mesh every technique slices, and its data-parallel axes flattened into one ('dp')."""
         shape = tuple(self.degrees[axis] for axis in MESH_AXES)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
-
-
-def rank_coordinates(mesh: DeviceMesh) -> dict[str, int]:
-    """This rank's index along each named axis."""
-    names = mesh.mesh_dim_names or ()
-    return {name: mesh.get_local_rank(name) for name in names}
-
-
-def device_type_of(device: torch.device) -> str:
-    return device.type
+        return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")

@@ -142,6 +142,7 @@ class LLMParallelStrategy(ParallelStrategy):
         self._timeout = timeout
         self._layout: ParallelLayout | None = None
         self._device_mesh: DeviceMesh | None = None
+        self._dp_mesh: DeviceMesh | None = None
         self.num_nodes = 1
 
     # ----------------------------------------------------------------- layout and processes
@@ -182,7 +183,8 @@ class LLMParallelStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dp_mesh = self.device_mesh["dp"]
+        dp_mesh = self._dp_mesh
+        assert dp_mesh is not None
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
     @property
@@ -219,7 +221,7 @@ class LLMParallelStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
-        self._device_mesh = self.layout.build_mesh(self.root_device.type)
+        self._device_mesh, self._dp_mesh = self.layout.build_mesh(self.root_device.type)
         assert self.lightning_module is not None
         # Lets `LightningModule.configure_model()` and `self.device_mesh` see the mesh, as in Lightning.
         self.lightning_module._device_mesh = self._device_mesh

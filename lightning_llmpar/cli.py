@@ -1,0 +1,72 @@
+"""The `llmpar` command: LightningCLI over the example GPT and the offline corpus, W&B offline by default."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+import lightning_llmpar  # noqa: F401 - registers the strategy names
+from lightning_llmpar.callbacks import ThroughputAndMemory
+from lightning_llmpar.data import CorpusDataModule
+from lightning_llmpar.models import GPTModule
+
+__all__ = ["LLMParCLI", "main"]
+
+
+class LLMParCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("data.block_size", "model.block_size")
+        parser.link_arguments("trainer.max_steps", "model.total_steps")
+
+    def after_fit(self) -> None:
+        self._report()
+
+    @rank_zero_only
+    def _report(self) -> None:
+        trainer = self.trainer
+        ckpt = trainer.checkpoint_callback
+        path = getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", "")
+        print(f"\nllmpar: layout {getattr(trainer.strategy, 'layout', 'single device')}")
+        print(f"llmpar: checkpoint  {Path(path).resolve() if path else '(none written)'}")
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                run = logger.experiment
+                run_dir = Path(run.dir).parent.resolve()
+                run.finish()  # flush history and summary now, not in an exit hook that may not run
+                print(f"llmpar: W&B run     {run_dir} (offline: `wandb sync <dir>` uploads it)")
+            else:
+                print(f"llmpar: logs        {logger.log_dir}")
+
+
+def main(args: list[str] | None = None, run: bool = True) -> LLMParCLI:
+    # Offline unless the user asks otherwise: nothing in a default run needs a network.
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    return LLMParCLI(
+        GPTModule,
+        CorpusDataModule,
+        seed_everything_default=1234,
+        save_config_kwargs={"overwrite": True},
+        trainer_defaults={
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.WandbLogger",
+                "init_args": {"project": "llmpar", "save_dir": "runs", "offline": True},
+            },
+            "callbacks": [
+                ModelCheckpoint(dirpath=None, save_last=True, every_n_train_steps=50),
+                ThroughputAndMemory(),
+                LearningRateMonitor(logging_interval="step"),
+            ],
+        },
+        args=args,
+        run=run,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs lightning_llmpar and its test dependencies into the current Python, quickly and idempotently.
+# On a machine without an NVIDIA GPU, torch is pinned to the CPU build first, so that resolving the
+# other dependencies never pulls the multi-gigabyte CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+PIP="$PY -m pip install --quiet --disable-pip-version-check --root-user-action=ignore"
+
+if ! $PY -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    $PIP "torch>=2.11"
+  else
+    $PIP "torch==2.13.0"
+  fi
+fi
+# Editable install with the test extras; everything already present is left as it is.
+$PIP -e ".[dev]"
+$PY -c "import lightning_llmpar, torch; print(f'lightning_llmpar {lightning_llmpar.__version__} ready (torch {torch.__version__})')"
