@@ -47,7 +47,7 @@ def apply_data_parallel(
     # Blocks first: each becomes its own all-gather / reduce-scatter unit, so communication for block
     # i+1 overlaps compute of block i. The root then owns what is left (embeddings, norm, head).
     if blocks is not None:
-        for block in blocks.blocks:
+        for block in blocks.modules():
             fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
@@ -58,9 +58,9 @@ def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
 
 
 @contextmanager
-def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+def no_gradient_sync(roots: list[nn.Module]) -> Iterator[None]:
     """Accumulate gradients locally (no reduce-scatter/all-reduce) for the non-final micro-batches."""
-    modules = _fsdp_modules(model)
+    modules = [m for root in roots for m in _fsdp_modules(root)]
     for module in modules:
         module.set_requires_gradient_sync(False, recurse=False)
     try:

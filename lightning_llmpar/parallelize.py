@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -27,25 +27,33 @@ class ParallelConfig:
     mp_policy: MixedPrecisionPolicy | None = None
 
 
-def parallelize(model: nn.Module, layout: ParallelLayout, mesh: DeviceMesh, config: ParallelConfig) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    layout: ParallelLayout,
+    mesh: DeviceMesh,
+    config: ParallelConfig,
+    stage_roots: Sequence[nn.Module] = (),
+) -> list[nn.Module]:
     """Apply tensor parallelism, then data parallelism (ZeRO via FSDP2), to ``model`` in place.
 
-    Order matters: tensor parallelism must come first because FSDP2 shards the DTensors TP produced
-    along the data-parallel axis (giving dp x tp parameters); activation checkpointing will sit between
-    the two so recomputation replays the sharded ops, and FSDP must wrap last so its hooks see the
-    final modules.
+    Order matters. The pipeline split (done before this, see pipeline_parallel.split_model) comes
+    first so each rank only shards what it keeps. Tensor parallelism comes next because FSDP2 shards
+    the DTensors TP produced along the data-parallel axis (giving dp x tp parameters). Activation
+    checkpointing belongs between the two so recomputation replays the sharded ops, and FSDP wraps
+    last so its hooks see the final modules. Returns the modules that became FSDP roots.
     """
     if layout.tp > 1:
         plan = infer_tp_plan(model, layout.tp, sequence_parallel=config.sequence_parallel, user_plan=config.tp_plan)
         apply_tensor_parallel(model, mesh["tp"], plan)
-    if layout.dp > 1 or config.cpu_offload:
-        dp_mesh = mesh["dp_replicate", "dp_shard"]
-        apply_data_parallel(
-            model,
-            dp_mesh,
-            zero_stage=layout.zero_stage,
-            blocks=find_block_stack(model),
-            cpu_offload=config.cpu_offload,
-            mp_policy=config.mp_policy,
-        )
-    return model
+    if not (layout.dp > 1 or config.cpu_offload):
+        return []
+    dp_mesh = mesh["dp_replicate", "dp_shard"]
+    kwargs = {"zero_stage": layout.zero_stage, "cpu_offload": config.cpu_offload, "mp_policy": config.mp_policy}
+    if stage_roots:
+        # One FSDP unit per pipeline stage, none per block: nested units under the zero-bubble
+        # schedules give wrong gradients, one unit per stage is exact under every schedule.
+        for root in stage_roots:
+            apply_data_parallel(root, dp_mesh, blocks=None, **kwargs)
+        return list(stage_roots)
+    apply_data_parallel(model, dp_mesh, blocks=find_block_stack(model), **kwargs)
+    return [model]

@@ -42,6 +42,8 @@ from lightning_llmpar.clip import clip_grad_norm_
 from lightning_llmpar.data_parallel import no_gradient_sync
 from lightning_llmpar.layout import ZERO_STAGES, ParallelLayout
 from lightning_llmpar.parallelize import ParallelConfig, parallelize
+from lightning_llmpar.pipeline_setup import PipelineConfig, build_pipeline
+from lightning_llmpar.pipeline_step import PipelineRunner
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -76,6 +78,11 @@ class LLMParallelStrategy(ParallelStrategy):
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory (zero_stage >= 1).
         tp_plan: explicit tensor-parallel plan, module-name pattern -> style, taking precedence over the
             inferred plan (see ``lightning_llmpar.tensor_parallel.TP_STYLES``).
+        pipeline_schedule: a ``torch.distributed.pipelining`` schedule name: Interleaved1F1B (default),
+            GPipe, 1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV.
+        pipeline_microbatches: microbatches per step (default 2 x pipeline_parallel); must divide the batch.
+        pipeline_virtual_stages: stages per pipeline rank (default 2 for multi-stage schedules, else 1).
+        pipeline_split_points: block indices where stages 1..S-1 start (default: balanced by parameters).
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
     """
 
@@ -91,6 +98,10 @@ class LLMParallelStrategy(ParallelStrategy):
         sequence_parallel: bool = True,
         cpu_offload: bool = False,
         tp_plan: dict[str, str] | None = None,
+        pipeline_schedule: str = "Interleaved1F1B",
+        pipeline_microbatches: int | None = None,
+        pipeline_virtual_stages: int | None = None,
+        pipeline_split_points: list[int] | None = None,
         start_method: _START_METHOD = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -114,11 +125,14 @@ class LLMParallelStrategy(ParallelStrategy):
             _positive_int("data_parallel_replicate", data_parallel_replicate, allow_auto=True)
         if zero_stage not in ZERO_STAGES:
             raise ValueError(f"LLMParallelStrategy: `zero_stage` must be one of {ZERO_STAGES}, got {zero_stage!r}.")
-        if pipeline_parallel != 1:
-            raise ValueError(
-                f"LLMParallelStrategy: pipeline_parallel={pipeline_parallel} is not available in this version;"
-                " use pipeline_parallel=1."
-            )
+        self.pipeline = PipelineConfig.validated(
+            pipeline_parallel,
+            pipeline_schedule,
+            pipeline_microbatches,
+            pipeline_virtual_stages,
+            pipeline_split_points,
+            zero_stage,
+        )
         if cpu_offload and zero_stage == 0:
             raise ValueError(
                 "LLMParallelStrategy: cpu_offload=True needs sharded state to offload; set zero_stage to 1, 2 or 3."
@@ -141,6 +155,8 @@ class LLMParallelStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._layout: ParallelLayout | None = None
+        self._runner: PipelineRunner | None = None
+        self._fsdp_roots: list[torch.nn.Module] = []
         self._device_mesh: DeviceMesh | None = None
         self._dp_mesh: DeviceMesh | None = None
         self.num_nodes = 1
@@ -240,7 +256,11 @@ class LLMParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        parallelize(module, self.layout, self.device_mesh, self.parallel_config)
+        stage_roots: list[torch.nn.Module] = []
+        if self.layout.pp > 1:
+            self._runner = build_pipeline(module, self.pipeline, self.device_mesh["pp"], self.root_device)
+            stage_roots = list(self._runner.stage_modules.values())
+        self._fsdp_roots = parallelize(module, self.layout, self.device_mesh, self.parallel_config, stage_roots)
         _materialize_distributed_module(module, self.root_device)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
@@ -264,8 +284,10 @@ class LLMParallelStrategy(ParallelStrategy):
         # `clip_grad_by_norm`, so routing that one method keeps loss scaling (unscale first) intact.
         precision = self.precision_plugin
 
+        stage_group = self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None
+
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: float | int) -> None:
-            clip_grad_norm_(list(precision.main_params(optimizer)), float(clip_val))
+            clip_grad_norm_(list(precision.main_params(optimizer)), float(clip_val), stage_group=stage_group)
 
         precision.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
@@ -275,31 +297,57 @@ class LLMParallelStrategy(ParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
 
+    def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self._runner is None:
+            return self._through_root(method, *args, **kwargs)
+        if kwargs:
+            args = (*args, *kwargs.values())  # e.g. dataloader_idx
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches if method == "training_step" else 1
+        return self._runner.run(method, args[0], tuple(args[1:]), accumulate=accumulate)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
-            return self._through_root("training_step", *args, **kwargs)
+            return self._step("training_step", *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            return self._through_root("validation_step", *args, **kwargs)
+            return self._step("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            return self._through_root("test_step", *args, **kwargs)
+            return self._step("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
-            return self._through_root("predict_step", *args, **kwargs)
+            return self._step("predict_step", *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._runner is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The schedule already ran backward inside training_step (before Lightning's zero_grad), so
+        # fire the backward hooks as usual but put the set-aside gradients back instead of autograd.
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self._runner.restore_grads()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @property
+    def pipeline_runner(self) -> PipelineRunner | None:
+        return self._runner
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        assert self.model is not None
-        with no_gradient_sync(self.model):
+        with no_gradient_sync(self._fsdp_roots):
             yield None
 
     # ----------------------------------------------------------------- collectives

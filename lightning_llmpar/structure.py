@@ -21,7 +21,17 @@ class BlockStack:
     blocks: nn.ModuleList
 
     def names(self) -> list[str]:
-        return [f"{self.prefix}.{i}" if self.prefix else str(i) for i in range(len(self.blocks))]
+        # Keys, not positions: under pipeline parallelism a rank keeps only some blocks, under their
+        # original indices.
+        return [f"{self.prefix}.{key}" if self.prefix else key for key in self.blocks._modules]
+
+    def modules(self) -> list[nn.Module]:
+        return [m for m in self.blocks._modules.values() if m is not None]
+
+    @property
+    def total(self) -> int:
+        """Number of blocks in the whole model (also on a pipeline rank that holds only some)."""
+        return len(self.blocks)
 
 
 def num_params(module: nn.Module) -> int:
@@ -34,7 +44,7 @@ def find_block_stack(model: nn.Module) -> BlockStack | None:
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
-        classes = {type(child) for child in module}
+        classes = {type(child) for child in module._modules.values()}
         if len(classes) != 1:
             continue
         size = num_params(module)

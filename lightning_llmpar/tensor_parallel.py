@@ -189,13 +189,17 @@ def infer_tp_plan(
         )
     seq = sequence_parallel
     block_names = stack.names() if stack is not None else []
-    for block_name, block in zip(block_names, stack.blocks if stack is not None else []):
+    for block_name, block in zip(block_names, stack.modules() if stack is not None else []):
         _plan_block(block_name, block, tp, seq, plan, claimed)
     if stack is not None and seq and block_names:
         # The sequence is sharded only inside the stack: embeddings and the head see the full sequence,
-        # so models that derive positions or masks from the embedding's shape keep working.
-        plan.setdefault(block_names[0] + "#in", PrepareFirstInput(Replicate(), Shard(1)))
-        plan.setdefault(block_names[-1] + "#out", GatherFirstOutput(Shard(1), Replicate()))
+        # so models that derive positions or masks from the embedding's shape keep working. Under
+        # pipeline parallelism only the ranks holding the first / last block do this.
+        first, last = _join(stack.prefix, "0"), _join(stack.prefix, str(stack.total - 1))
+        if first in block_names:
+            plan.setdefault(first + "#in", PrepareFirstInput(Replicate(), Shard(1)))
+        if last in block_names:
+            plan.setdefault(last + "#out", GatherFirstOutput(Shard(1), Replicate()))
     _plan_outside(model, stack.prefix if stack is not None else None, tp, plan, claimed)
     _refuse_tied(model, plan)
     return plan
@@ -272,7 +276,8 @@ def _plan_outside(
     def inside_stack(name: str) -> bool:
         return stack_prefix is not None and (name == stack_prefix or name.startswith(stack_prefix + "."))
 
-    vocab_sizes = set()
+    # A pipeline rank without the embedding still knows its size from the stand-in left in its place.
+    vocab_sizes = {m.num_embeddings for m in model.modules() if isinstance(getattr(m, "num_embeddings", None), int)}
     for name, module in model.named_modules():
         if inside_stack(name) or name in claimed or not isinstance(module, nn.Embedding):
             continue

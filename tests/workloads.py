@@ -38,7 +38,7 @@ class TokenData(LightningDataModule):
 
 
 def make_gpt() -> LightningModule:
-    return GPTModule(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+    return GPTModule(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, n_kv_head=2, n_embd=32,
                      learning_rate=1e-2, warmup_steps=2, total_steps=20)
 
 
@@ -49,7 +49,7 @@ class HFLlamaModule(LightningModule):
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                           tie_word_embeddings=False, attn_implementation="sdpa")
         self.model = LlamaForCausalLM(cfg)

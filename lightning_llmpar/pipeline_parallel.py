@@ -1,0 +1,284 @@
+"""Pipeline parallelism for a LightningModule on torch.distributed.pipelining.
+
+The user's own ``training_step`` is the stage program. Each stage runs it on a microbatch with the
+block stack narrowed to the stage's blocks: a non-first stage substitutes the activation it received
+for the input of its first block, a non-last stage stops at the output of its last block, and the last
+stage runs the step to the end, so the user's loss code is untouched. Modules holding parameters before
+the stack (embeddings) live on the first stage, those after it (norm, head) on the last; parameter
+names never change, so checkpoints move between layouts.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    get_schedule_class,
+)
+
+from lightning_llmpar.structure import BlockStack, num_params
+
+__all__ = [
+    "SCHEDULES",
+    "V_SCHEDULES",
+    "StageLayout",
+    "plan_stages",
+    "split_model",
+    "StageModule",
+    "build_schedule",
+    "replace_module",
+]
+
+# Name -> stages per rank it needs (None: any number >= 2).
+SCHEDULES: dict[str, int | None] = {
+    "GPipe": 1,
+    "1F1B": 1,
+    "Interleaved1F1B": None,
+    "LoopedBFS": None,
+    "InterleavedZeroBubble": None,
+    "ZBVZeroBubble": 2,
+    "DualPipeV": 2,
+}
+# Schedules that place stages in a V (rank r holds stages r and 2p-1-r) instead of round-robin.
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+BATCH_KWARG = "llmpar_batch"
+
+
+class StageBoundary(Exception):
+    """Raised at the last block of a non-last stage to end the step there, carrying the activation."""
+
+    def __init__(self, activation: Tensor) -> None:
+        super().__init__("pipeline stage boundary")
+        self.activation = activation
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Which blocks each stage holds and which stages each pipeline rank runs."""
+
+    pp: int
+    stages_per_rank: int
+    v_shape: bool
+    block_ranges: tuple[tuple[int, int], ...]  # per stage: [start, stop) into the block stack
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def rank_of(self, stage: int) -> int:
+        if self.v_shape:
+            return stage if stage < self.pp else 2 * self.pp - 1 - stage
+        return stage % self.pp
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s in range(self.num_stages) if self.rank_of(s) == rank]
+
+
+def plan_stages(
+    block_costs: Sequence[int],
+    num_stages: int,
+    *,
+    first_extra: int = 0,
+    last_extra: int = 0,
+    split_points: Sequence[int] | None = None,
+) -> tuple[tuple[int, int], ...]:
+    """Contiguous block ranges per stage that minimise the most expensive stage.
+
+    The cost of a stage is the parameters it holds; the first stage also pays for the embeddings and
+    the last for the norm and head (``first_extra``/``last_extra``). ``split_points`` (block indices
+    where stages 1..S-1 start) overrides the balancing.
+    """
+    n = len(block_costs)
+    if n < num_stages:
+        raise ValueError(
+            f"The model has {n} blocks but the pipeline needs {num_stages} stages (pipeline_parallel x"
+            f" virtual stages); every stage needs at least one block. Lower pipeline_parallel or"
+            f" pipeline_virtual_stages, or use a deeper model."
+        )
+    if split_points is not None:
+        points = list(split_points)
+        if len(points) != num_stages - 1 or points != sorted(set(points)) or not all(0 < p < n for p in points):
+            raise ValueError(
+                f"pipeline_split_points={points} must be {num_stages - 1} strictly increasing block indices"
+                f" in 1..{n - 1} (where stages 1..{num_stages - 1} start) for {num_stages} stages of {n} blocks."
+            )
+        bounds = [0, *points, n]
+        return tuple((bounds[i], bounds[i + 1]) for i in range(num_stages))
+    prefix = [0]
+    for c in block_costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(stage: int, start: int, stop: int) -> int:
+        extra = (first_extra if stage == 0 else 0) + (last_extra if stage == num_stages - 1 else 0)
+        return prefix[stop] - prefix[start] + extra
+
+    inf = float("inf")
+    # best[s][i]: minimal max-cost of placing blocks [0, i) into stages 0..s-1.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n - (num_stages - s) + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], cost(s - 1, j, i))
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    ranges, i = [], n
+    for s in range(num_stages, 0, -1):
+        j = cut[s][i]
+        ranges.append((j, i))
+        i = j
+    return tuple(reversed(ranges))
+
+
+class _StandIn(nn.Module):
+    """Takes the place of a module that lives on another stage.
+
+    Before the stack it must still produce an output of the right shape (the model's forward uses it
+    to build positions and masks; the stage then replaces it with the received activation), so it runs
+    a copy of the module on the meta device and returns zeros of that shape. After the stack it is
+    never reached, because the stage ends at its last block.
+    """
+
+    def __init__(self, original: nn.Module, name: str, before_stack: bool) -> None:
+        super().__init__()
+        self.name, self.before_stack = name, before_stack
+        self.num_embeddings = getattr(original, "num_embeddings", None)
+        self._meta = [copy.deepcopy(original).to("meta")] if before_stack else []  # list: not a submodule
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.before_stack:
+            raise RuntimeError(f"Module '{self.name}' lives on another pipeline stage; it cannot run here.")
+        device = next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
+        to_meta = lambda t: t.to("meta") if isinstance(t, Tensor) else t  # noqa: E731
+        out = self._meta[0](*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
+        return torch.zeros(out.shape, dtype=out.dtype, device=device)
+
+
+class _StageBlocks(nn.ModuleList):
+    """The block stack with only this rank's blocks, iterated through the active stage's window.
+
+    Blocks of other ranks are removed but the remaining keep their indices as names, so parameter
+    names are the same in every layout.
+    """
+
+    _llmpar_total: int
+    _llmpar_window: tuple[int, ...] | None
+
+    def _active(self, indices: Sequence[int]) -> list[nn.Module]:
+        window = self._llmpar_window
+        return [self._modules[str(i)] for i in indices if str(i) in self._modules and (window is None or i in window)]
+
+    def __iter__(self):  # type: ignore[override]
+        return iter(self._active(range(self._llmpar_total)))
+
+    def __len__(self) -> int:
+        return self._llmpar_total
+
+    def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]
+        if isinstance(idx, slice):
+            return self._active(range(self._llmpar_total)[idx])
+        return self._modules[str(idx if idx >= 0 else self._llmpar_total + idx)]
+
+
+def _outside_owners(model: nn.Module, stack: BlockStack) -> tuple[list[str], list[str]]:
+    """Modules outside the stack that hold parameters: (registered before it, registered after it)."""
+    before, after, seen_stack = [], [], False
+    for name, module in model.named_modules():
+        if name == stack.prefix:
+            seen_stack = True
+            continue
+        if name.startswith(stack.prefix + ".") or not any(True for _ in module.parameters(recurse=False)):
+            continue
+        if any(name.startswith(owner + ".") for owner in before + after):
+            continue  # moves with its parent
+        (after if seen_stack else before).append(name)
+    return before, after
+
+
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: owns its parts (for FSDP and PipelineStage) and runs the user's step."""
+
+    def __init__(self, runner: Any, index: int, parts: dict[str, nn.Module]) -> None:
+        super().__init__()
+        self.index = index
+        self.parts = nn.ModuleDict({name.replace(".", "__"): m for name, m in parts.items()})
+        self._runner = [runner]  # list: keeps the runner (and the LightningModule) out of the module tree
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        batch = kwargs.pop(BATCH_KWARG)
+        incoming = args[0] if args else None
+        return self._runner[0].run_stage(self.index, batch, incoming)
+
+
+def split_model(
+    model: nn.Module, stack: BlockStack, layout: StageLayout, pp_rank: int
+) -> tuple[dict[int, dict[str, nn.Module]], dict[str, tuple[nn.Module, nn.Module]]]:
+    """Remove from ``model`` what other pipeline ranks hold; return this rank's parts per stage.
+
+    Also returns, for the modules before the stack that this rank keeps, a (real, stand-in) pair:
+    the rank's later stages must run the stand-in, or they would use (and, under ZeRO-3, find
+    resharded) the first stage's embedding.
+    """
+    before, after = _outside_owners(model, stack)
+    local = layout.stages_of(pp_rank)
+    last = layout.num_stages - 1
+    parts: dict[int, dict[str, nn.Module]] = {s: {} for s in local}
+    blocks = stack.blocks
+    for s in local:
+        start, stop = layout.block_ranges[s]
+        for i in range(start, stop):
+            parts[s][f"{stack.prefix}.{i}"] = blocks[i]
+    swaps: dict[str, tuple[nn.Module, nn.Module]] = {}
+    for name in before:
+        if 0 in local:
+            parts[0][name] = real = model.get_submodule(name)
+            swaps[name] = (real, _StandIn(real, name, before_stack=True))
+        else:
+            replace_module(model, name, _StandIn(model.get_submodule(name), name, before_stack=True))
+    for name in after:
+        if last in local:
+            parts[last][name] = model.get_submodule(name)
+        else:
+            replace_module(model, name, _StandIn(model.get_submodule(name), name, before_stack=False))
+    keep = {str(i) for s in local for i in range(*layout.block_ranges[s])}
+    total = len(blocks)
+    for key in list(blocks._modules):
+        if key not in keep:
+            del blocks._modules[key]
+    blocks.__class__ = _StageBlocks
+    blocks._llmpar_total = total
+    blocks._llmpar_window = None
+    return parts, swaps
+
+
+def build_schedule(
+    name: str, stages: list[PipelineStage], microbatches: int, loss_fn: Any
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    cls = get_schedule_class(name)
+    # scale_grads=False: loss_fn already divides by microbatches x accumulation, which stays right
+    # under Lightning's accumulate_grad_batches (the schedule's own scaling does not know about it).
+    if issubclass(cls, PipelineScheduleSingle):
+        return cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def stage_costs(model: nn.Module, stack: BlockStack) -> tuple[list[int], int, int]:
+    before, after = _outside_owners(model, stack)
+    costs = [num_params(b) for b in stack.blocks]
+    first = sum(sum(p.numel() for p in model.get_submodule(n).parameters(recurse=False)) for n in before)
+    last = sum(sum(p.numel() for p in model.get_submodule(n).parameters(recurse=False)) for n in after)
+    return costs, first, last

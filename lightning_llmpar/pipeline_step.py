@@ -1,0 +1,338 @@
+"""Runs one Lightning step through the pipeline schedule and makes its effects look like a normal step.
+
+Lightning expects ``training_step`` to return a loss and then calls ``zero_grad`` and ``backward``;
+the schedule does forward and backward together. So gradients made by the schedule are set aside and
+put back in ``backward`` (after Lightning's backward hooks fired), the loss and everything the step
+logged are taken from the last stage and replayed on every rank, and nothing is logged twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torchmetrics import Metric
+
+from lightning_llmpar.pipeline_parallel import (
+    BATCH_KWARG,
+    StageBoundary,
+    StageLayout,
+    StageModule,
+    build_schedule,
+    replace_module,
+)
+
+__all__ = ["PipelineRunner"]
+
+
+def _first_arg_name(module: nn.Module) -> str:
+    import inspect
+
+    params = [p for p in inspect.signature(module.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
+    return params[0].name if params else ""
+
+
+class PipelineRunner:
+    def __init__(
+        self,
+        module: LightningModule,
+        blocks: nn.ModuleList,
+        layout: StageLayout,
+        parts: dict[int, dict[str, nn.Module]],
+        swaps: dict[str, tuple[nn.Module, nn.Module]],
+        pp_mesh: DeviceMesh,
+        device: torch.device,
+        schedule: str,
+        microbatches: int,
+    ) -> None:
+        self.module, self.blocks, self.layout, self._swaps = module, blocks, layout, swaps
+        self.pp_group = pp_mesh.get_group()
+        self.pp_rank = pp_mesh.get_local_rank()
+        self.device, self.schedule_name, self.microbatches = device, schedule, microbatches
+        self.stage_modules = {s: StageModule(self, s, parts[s]) for s in sorted(parts)}
+        self._schedules: dict[tuple[int, bool], Any] = {}
+        self._stages: list[PipelineStage] | None = None
+        self._method, self._step_args = "training_step", ()
+        self._logged: list[tuple[str, Any, dict[str, Any]]] = []
+        self._outputs: list[Any] = []
+        self._stash: dict[nn.Parameter, Tensor | None] = {}
+        self._accumulate = 1
+        self._inferring = 0
+        self.timeline: list[tuple[int, str, int, float, float]] = []  # (stage, kind, microbatch, t0, t1)
+        self.step_window: tuple[float, float] = (0.0, 0.0)
+
+    # ------------------------------------------------------------------ stages and schedules
+
+    @property
+    def last_rank(self) -> int:
+        return self.layout.rank_of(self.layout.num_stages - 1)
+
+    @property
+    def is_last(self) -> bool:
+        return self.pp_rank == self.last_rank
+
+    def _build_stages(self) -> list[PipelineStage]:
+        if self._stages is None:
+            self._stages = [
+                PipelineStage(m, s, self.layout.num_stages, self.device, group=self.pp_group)
+                for s, m in self.stage_modules.items()
+            ]
+            for stage in self._stages:
+                self._record_actions(stage)
+                self._mark_metadata_inference(stage)
+        return self._stages
+
+    def _mark_metadata_inference(self, stage: PipelineStage) -> None:
+        # On first use the stage runs its forward (and the loss) once more on placeholder tensors to
+        # learn shapes. That run must not log, update metrics or count as a microbatch.
+        for attr in ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference"):
+            original = getattr(stage, attr, None)
+            if original is None:
+                continue
+
+            def flagged(*args: Any, __orig: Callable = original, **kwargs: Any) -> Any:
+                self._inferring += 1
+                try:
+                    return __orig(*args, **kwargs)
+                finally:
+                    self._inferring -= 1
+
+            setattr(stage, attr, flagged)
+
+    def _schedule(self, microbatches: int, training: bool) -> Any:
+        key = (microbatches, training)
+        if key not in self._schedules:
+            self._schedules[key] = build_schedule(self.schedule_name, self._build_stages(), microbatches, self._loss)
+        return self._schedules[key]
+
+    def _loss(self, output: Tensor, target: Any) -> Tensor:
+        # The stage output of the last stage is the user's loss for one microbatch.
+        return output / (self._n_mb * self._accumulate)
+
+    def _record_actions(self, stage: PipelineStage) -> None:
+        # Wrap the stage's compute entry points to time every action the schedule really runs.
+        for attr, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
+            original = getattr(stage, attr, None)
+            if original is None:
+                continue
+
+            def timed(*args: Any, __orig: Callable = original, __kind: str = kind, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                out = __orig(*args, **kwargs)
+                mb = args[0] if args and isinstance(args[0], int) else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
+                self.timeline.append((stage.stage_index, __kind, int(mb), t0, time.perf_counter()))
+                return out
+
+            setattr(stage, attr, timed)
+
+    # ------------------------------------------------------------------ the stage program
+
+    def run_stage(self, stage: int, batch: Any, incoming: Tensor | None) -> Tensor:
+        start, stop = self.layout.block_ranges[stage]
+        self.blocks._llmpar_window = tuple(range(start, stop))
+        if stage != 0:
+            for name, (_, stand_in) in self._swaps.items():
+                replace_module(self.module, name, stand_in)
+        handles = []
+        if incoming is not None:
+            first_block = self.blocks[start]
+            name = _first_arg_name(first_block)
+
+            def substitute(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+                if args:
+                    return (incoming, *args[1:]), kwargs
+                return args, {**kwargs, name: incoming}
+
+            handles.append(first_block.register_forward_pre_hook(substitute, with_kwargs=True))
+        if stage != self.layout.num_stages - 1:
+
+            def boundary(_m: nn.Module, _args: Any, output: Any) -> None:
+                raise StageBoundary(output[0] if isinstance(output, tuple) else output)
+
+            handles.append(self.blocks[stop - 1].register_forward_hook(boundary))
+        try:
+            with self._metrics_frozen() if self._inferring else _nullcontext():
+                out = getattr(self.module, self._method)(batch, *self._step_args)
+        except StageBoundary as done:
+            return done.activation
+        finally:
+            for h in handles:
+                h.remove()
+            self.blocks._llmpar_window = None
+            for name, (real, _) in self._swaps.items():
+                replace_module(self.module, name, real)
+        if not self._inferring:
+            self._outputs.append(out)
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if self._method == "training_step":
+            return loss
+        # Eval steps return nothing the schedule needs, but it concatenates last-stage outputs.
+        return torch.zeros(1, device=self.device)
+
+    # ------------------------------------------------------------------ one Lightning step
+
+    @contextmanager
+    def _capture_logs(self) -> Iterator[None]:
+        self._logged = []
+        original = self.module.log
+
+        def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if not self._inferring:
+                self._logged.append((name, value, kwargs))
+
+        self.module.log = record  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del self.module.log  # the instance attribute shadowed the method
+
+    @contextmanager
+    def _metrics_frozen(self) -> Iterator[None]:
+        metrics = [m for m in self.module.modules() if isinstance(m, Metric)]
+        saved = [m.__dict__.get("update") for m in metrics]
+        for m in metrics:
+            m.update = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            for m, update in zip(metrics, saved):
+                if update is None:
+                    del m.update
+                else:
+                    m.update = update  # type: ignore[method-assign]
+
+    def run(self, method: str, batch: Any, step_args: tuple, accumulate: int = 1) -> Any:
+        """Run ``method`` (e.g. 'training_step') on ``batch`` through the schedule; return its result."""
+        size = _batch_size(batch)
+        training = method == "training_step"
+        n_mb = self.microbatches if training or size % self.microbatches == 0 else _divisor(size, self.microbatches)
+        if size % n_mb:
+            raise ValueError(
+                f"Batch size {size} is not divisible by pipeline_microbatches={self.microbatches}. Use a batch"
+                f" size that is a multiple of {self.microbatches} (and drop_last=True), or change the microbatches."
+            )
+        self._method, self._step_args, self._n_mb, self._accumulate = method, step_args, n_mb, accumulate
+        self._outputs = []
+        schedule = self._schedule(n_mb, training)
+        placeholder = torch.zeros(size, device=self.device)  # the loss lives in the stage output, not a target
+        start = time.perf_counter()
+        self.timeline = []
+        with self._capture_logs():
+            if training:
+                self._stash_grads()
+                schedule.step(target=placeholder, return_outputs=False, **{BATCH_KWARG: batch})
+                self._take_new_grads()
+            else:
+                schedule.eval(target=placeholder, **{BATCH_KWARG: batch})
+        self.step_window = (start, time.perf_counter())
+        self._replay_logs()
+        return self._result(method)
+
+    def _result(self, method: str) -> Any:
+        outs = self._outputs[-self._n_mb :] if self.is_last else []
+        if method == "training_step":
+            losses = [o.get("loss") if isinstance(o, dict) else o for o in outs]
+            value = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else torch.zeros(())
+            value = value.to(self.device)
+            dist.broadcast(value, group=self.pp_group, group_src=self.last_rank)
+            return value
+        if method == "predict_step":
+            box = [outs if self.is_last else None]
+            dist.broadcast_object_list(box, group=self.pp_group, group_src=self.last_rank)
+            return _concat(box[0])
+        return None
+
+    # ------------------------------------------------------------------ logging
+
+    def _replay_logs(self) -> None:
+        # Only the last stage ran the step to the end; average what it logged over microbatches and
+        # log the same on every rank, so loggers on rank 0 and sync_dist collectives see it everywhere.
+        metric_names = {id(m): n for n, m in self.module.named_modules() if isinstance(m, Metric)}
+        summary: list[tuple[str, Any, dict[str, Any]]] = []
+        if self.is_last:
+            values: dict[str, list[Any]] = defaultdict(list)
+            kwargs_of: dict[str, dict[str, Any]] = {}
+            for name, value, kwargs in self._logged[-self._n_mb * 64 :]:
+                values[name].append(value)
+                kwargs_of[name] = kwargs
+            for name, vals in values.items():
+                last = vals[-1]
+                if isinstance(last, Metric):
+                    summary.append((name, ("metric", metric_names.get(id(last), "")), kwargs_of[name]))
+                else:
+                    nums = [float(v.detach().float().mean()) if isinstance(v, Tensor) else float(v) for v in vals[-self._n_mb :]]
+                    summary.append((name, ("value", sum(nums) / len(nums)), kwargs_of[name]))
+        box = [summary]
+        dist.broadcast_object_list(box, group=self.pp_group, group_src=self.last_rank)
+        for name, (kind, payload), kwargs in box[0]:
+            if kind == "metric":
+                value = self.module.get_submodule(payload)
+            else:
+                value = torch.tensor(payload, device=self.device)
+            self.module.log(name, value, **kwargs)
+
+    # ------------------------------------------------------------------ gradients
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _stash_grads(self) -> None:
+        self._previous = {p: p.grad for p in self._params()}
+        for p in self._previous:
+            p.grad = None
+
+    def _take_new_grads(self) -> None:
+        self._stash = {p: p.grad for p in self._previous}
+        for p, g in self._previous.items():
+            p.grad = g
+        self._previous = {}
+
+    def restore_grads(self) -> None:
+        """Called from the strategy's backward: add this step's gradients to whatever survived zero_grad."""
+        for p, g in self._stash.items():
+            if g is None:
+                continue
+            p.grad = g if p.grad is None else p.grad + g
+        self._stash = {}
+
+    # ------------------------------------------------------------------ timeline
+
+    def bubble_fraction(self) -> float:
+        """Idle share of this rank during the last step: 1 - (time in stage compute) / (step time)."""
+        start, end = self.step_window
+        busy = sum(t1 - t0 for _, _, _, t0, t1 in self.timeline)
+        return max(0.0, 1.0 - busy / max(end - start, 1e-9))
+
+
+@contextmanager
+def _nullcontext() -> Iterator[None]:
+    yield
+
+
+def _batch_size(batch: Any) -> int:
+    leaves = torch.utils._pytree.tree_leaves(batch)
+    for leaf in leaves:
+        if isinstance(leaf, Tensor) and leaf.dim() > 0:
+            return leaf.shape[0]
+    raise ValueError("Pipeline parallelism needs a batch with at least one tensor to split into microbatches.")
+
+
+def _divisor(size: int, most: int) -> int:
+    return max(d for d in range(1, most + 1) if size % d == 0)
+
+
+def _concat(outs: list[Any] | None) -> Any:
+    if not outs:
+        return None
+    if all(isinstance(o, Tensor) for o in outs):
+        return torch.cat(outs)
+    return outs
