@@ -256,11 +256,22 @@ class LLMParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        stage_roots: list[torch.nn.Module] = []
-        if self.layout.pp > 1:
-            self._runner = build_pipeline(module, self.pipeline, self.device_mesh["pp"], self.root_device)
-            stage_roots = list(self._runner.stage_modules.values())
-        self._fsdp_roots = parallelize(module, self.layout, self.device_mesh, self.parallel_config, stage_roots)
+        done = getattr(module, "_llmpar_parallelized", None)
+        if done is not None:
+            # fit -> validate/test/predict on the same module: it is already split and sharded.
+            layout, self._runner, self._fsdp_roots = done
+            if layout != self.layout:
+                raise ValueError(
+                    f"This LightningModule was already parallelized as {layout}; it cannot be re-parallelized as"
+                    f" {self.layout}. Build a new module, or load a checkpoint into a fresh one."
+                )
+        else:
+            stage_roots: list[torch.nn.Module] = []
+            if self.layout.pp > 1:
+                self._runner = build_pipeline(module, self.pipeline, self.device_mesh["pp"], self.root_device)
+                stage_roots = list(self._runner.stage_modules.values())
+            self._fsdp_roots = parallelize(module, self.layout, self.device_mesh, self.parallel_config, stage_roots)
+            module._llmpar_parallelized = (self.layout, self._runner, self._fsdp_roots)
         _materialize_distributed_module(module, self.root_device)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()

@@ -58,7 +58,7 @@ class HFLlamaModule(LightningModule):
         x, y = batch
         logits = self.model(input_ids=x).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -101,6 +101,7 @@ def fit(
     sgd: bool = False,
     samples: int = 256,
     epochs: int | None = None,
+    validate: bool = False,
 ) -> dict[str, Any]:
     """Train ``model`` for ``steps`` and report what a parity test compares.
 
@@ -127,14 +128,18 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        limit_val_batches=0,
+        limit_val_batches=0 if not validate else 4,
         callbacks=callbacks,
         max_epochs=epochs,
         use_distributed_sampler=False,
     )
-    trainer.fit(module, datamodule=TokenData(batch_size, n=samples), ckpt_path=ckpt_path)
+    data = TokenData(batch_size, n=samples)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    val = trainer.validate(module, datamodule=data, verbose=False)[0] if validate else {}
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     params = {n: full(p) for n, p in module.named_parameters()}
     local_shapes = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in module.named_parameters()}
-    return {"losses": recorder.losses, "grads": recorder.grads, "params": params, "local_shapes": local_shapes}
+    return {"losses": recorder.losses, "grads": recorder.grads, "params": params, "local_shapes": local_shapes,
+            "logged": logged, "val": val}
