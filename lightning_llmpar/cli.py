@@ -14,8 +14,9 @@ import lightning_llmpar  # noqa: F401 - registers the strategy names
 from lightning_llmpar.callbacks import ThroughputAndMemory
 from lightning_llmpar.data import CorpusDataModule
 from lightning_llmpar.models import GPTModule
+from lightning_llmpar.pipeline_timeline import PipelineTimeline
 
-__all__ = ["LLMParCLI", "main"]
+__all__ = ["LLMParCLI", "main", "console"]
 
 
 class LLMParCLI(LightningCLI):
@@ -33,6 +34,9 @@ class LLMParCLI(LightningCLI):
         path = getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", "")
         print(f"\nllmpar: layout {getattr(trainer.strategy, 'layout', 'single device')}")
         print(f"llmpar: checkpoint  {Path(path).resolve() if path else '(none written)'}")
+        for callback in trainer.callbacks:
+            if isinstance(callback, PipelineTimeline) and callback.last_picture is not None:
+                print(f"llmpar: timeline    {callback.last_picture.resolve()}")
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 run = logger.experiment
@@ -60,6 +64,7 @@ def main(args: list[str] | None = None, run: bool = True) -> LLMParCLI:
             "callbacks": [
                 ModelCheckpoint(dirpath=None, save_last=True, every_n_train_steps=50),
                 ThroughputAndMemory(),
+                PipelineTimeline(),
                 LearningRateMonitor(logging_interval="step"),
             ],
         },
@@ -68,5 +73,10 @@ def main(args: list[str] | None = None, run: bool = True) -> LLMParCLI:
     )
 
 
-if __name__ == "__main__":
+def console() -> None:
+    """Entry point of the `llmpar` command (returns nothing, so the exit status is 0 on success)."""
     main()
+
+
+if __name__ == "__main__":
+    console()

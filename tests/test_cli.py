@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -40,6 +41,28 @@ def test_cli_override_to_tensor_parallel_trains_logs_and_checkpoints(tmp_path: P
     # The offline run file holds protobuf records; logged metric names appear in it verbatim.
     records = b"".join(p.read_bytes() for p in run_dir.glob("run-*.wandb"))
     for key in ("train/loss", "val/ppl", "val/loss", "perf/tokens_per_sec", "memory/rank0_mb", "memory/rank1_mb"):
+        assert key.encode() in records, f"{key} was not logged to the W&B run in {run_dir}"
+
+
+def test_cli_override_to_pipeline_parallel_draws_the_timeline(tmp_path: Path) -> None:
+    result = _llmpar(
+        tmp_path, "fit", "--config", str(ROOT / "examples/configs/single.yaml"),
+        "--trainer.devices", "2", "--trainer.strategy.pipeline_parallel", "2",
+        "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
+        "--trainer.log_every_n_steps", "3", "--data.max_bytes", "300000",
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    lines = {line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("llmpar: ")}
+    assert "pp=2" in lines["layout"]
+    picture = Path(lines["timeline"].split(maxsplit=2)[2])
+    assert picture.is_file() and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    actions = json.loads(picture.with_suffix(".json").read_text())
+    assert {a[1] for rank in actions for a in rank["actions"]} == {"F", "B"}
+    assert len(actions) == 2 and all(len(rank["actions"]) == 2 * 2 * 4 for rank in actions)  # 2 stages x 4 mb x F/B
+    assert picture.parent == Path(lines["checkpoint"].split(maxsplit=2)[2]).parent
+    run_dir = Path(lines["W&B"].split()[3])
+    records = b"".join(p.read_bytes() for p in run_dir.glob("run-*.wandb"))
+    for key in ("train/loss", "val/ppl", "pipeline/bubble_fraction", "pipeline/timeline"):
         assert key.encode() in records, f"{key} was not logged to the W&B run in {run_dir}"
 
 
