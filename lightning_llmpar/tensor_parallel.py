@@ -62,6 +62,12 @@ class PrepareFirstInput(ParallelStyle):
     def _convert(self, tensor: Any, mesh: DeviceMesh) -> Any:
         if tensor is None or not hasattr(tensor, "shape"):
             return tensor
+        if self.desired == Shard(1) and not isinstance(tensor, DTensor) and tensor.shape[1] % mesh.size():
+            raise ValueError(
+                f"Sequence parallelism splits the sequence over tensor_parallel({mesh.size()}) ranks, but this"
+                f" batch has sequence length {tensor.shape[1]}. Use lengths divisible by {mesh.size()}, or set"
+                " sequence_parallel=False."
+            )
         dt = tensor if isinstance(tensor, DTensor) else DTensor.from_local(tensor, mesh, (self.current,), run_check=False)
         return dt.redistribute(placements=(self.desired,)).to_local()
 
@@ -123,6 +129,8 @@ def _leaf(name: str) -> str:
 
 
 def _join(prefix: str, name: str) -> str:
+    if not name:
+        return prefix
     return f"{prefix}.{name}" if prefix else name
 
 
@@ -209,35 +217,28 @@ def _plan_block(
     block_name: str, block: nn.Module, tp: int, seq: bool, plan: dict[str, PlanEntry], claimed: set[str]
 ) -> None:
     covered: set[str] = set()
+    regions: list[str] = []  # attention / MLP modules: between their column and row splits data is sharded
     for sub_name, sub in block.named_modules():
         full = _join(block_name, sub_name)
         children = _linear_children(sub)
         names = {n.lower(): n for n in children}
-        fused = [n for n in names if n in _FUSED_QKV | _FUSED_UP]
-        unclaimed = [n for n in fused if _join(full, names[n]) not in claimed]
-        if unclaimed:
-            bad = _join(full, names[unclaimed[0]])
-            raise ValueError(
-                f"Module '{bad}' fuses several projections in one Linear, which a column split would mix up."
-                f" Split it into separate Linear layers (q/k/v or gate/up), or pass an explicit tp_plan"
-                f" that covers it (e.g. tp_plan={{'{bad}': 'replicate'}} to keep it whole)."
-            )
-        qs, ks, vs = names.keys() & _Q, names.keys() & _K, names.keys() & _V
+        _refuse_fused(full, names, claimed)
+        # Sorted: every rank must shard modules in the same order, because sharding a parameter is a
+        # collective (rank 0's values are scattered); set order differs between processes.
+        qs, ks, vs = sorted(names.keys() & _Q), sorted(names.keys() & _K), sorted(names.keys() & _V)
+        ups, downs = sorted(names.keys() & _UP), sorted(names.keys() & _DOWN)
+        row_style = RowwiseParallel(output_layouts=Shard(1)) if seq else RowwiseParallel()
         if qs and ks and vs:
-            q, k = children[names[min(qs)]], children[names[min(ks)]]
-            _check_attention(full, sub, q, k, tp)
-            outs = names.keys() & _OUT
+            _check_attention(full, sub, children[names[qs[0]]], children[names[ks[0]]], tp)
             for n in (*qs, *ks, *vs):
                 _add(plan, claimed, covered, _join(full, names[n]), ColwiseParallel())
-            for n in outs:
-                out_style = RowwiseParallel(output_layouts=Shard(1)) if seq else RowwiseParallel()
-                _add(plan, claimed, covered, _join(full, names[n]), out_style)
+            for n in sorted(names.keys() & _OUT):
+                _add(plan, claimed, covered, _join(full, names[n]), row_style)
             if seq:
                 _add(plan, claimed, covered, full + "#attn_in", PrepareFirstInput(Shard(1), Replicate()))
             plan.setdefault(full + "#heads", None)
-            continue
-        ups, downs = names.keys() & _UP, names.keys() & _DOWN
-        if ups and downs:
+            regions.append(full)
+        elif ups and downs:
             for n in ups:
                 if children[names[n]].out_features % tp:
                     raise ValueError(
@@ -246,10 +247,14 @@ def _plan_block(
                     )
                 _add(plan, claimed, covered, _join(full, names[n]), ColwiseParallel())
             for n in downs:
-                down_style = RowwiseParallel(output_layouts=Shard(1)) if seq else RowwiseParallel()
-                _add(plan, claimed, covered, _join(full, names[n]), down_style)
+                _add(plan, claimed, covered, _join(full, names[n]), row_style)
             if seq:
                 _add(plan, claimed, covered, full + "#mlp_in", PrepareFirstInput(Shard(1), Replicate()))
+            regions.append(full)
+
+    def region_of(name: str) -> str | None:
+        return next((r for r in regions if name == r or name.startswith(r + ".")), None)
+
     for sub_name, sub in block.named_modules():
         full = _join(block_name, sub_name)
         if full in claimed or full in covered:
@@ -257,11 +262,58 @@ def _plan_block(
         if isinstance(sub, nn.Linear):
             raise ValueError(
                 f"Cannot decide how to split Linear '{full}' for tensor parallelism: it is neither a q/k/v/output"
-                f" projection next to its siblings nor an MLP up/gate/down projection. Pass an explicit"
-                f" tp_plan entry for it, e.g. tp_plan={{'{full}': 'replicate'}} (or 'colwise'/'rowwise')."
+                f" projection next to its siblings nor an MLP up/gate/down projection. Give it a style in tp_plan"
+                f" (e.g. tp_plan={{'{full}': 'colwise'}} or 'rowwise'); if it works on the full hidden state"
+                f" outside attention and MLP, tp_plan={{'{full}': 'replicate'}} with sequence_parallel=False."
             )
-        if seq and _is_norm(sub):
-                plan[full] = SequenceParallel(use_local_output=True)
+        if seq and _is_norm(sub) and region_of(full) is None:
+            plan[full] = SequenceParallel(use_local_output=True)
+    _refuse_partial_gradients(block, block_name, plan, seq, region_of)
+
+
+def _refuse_fused(full: str, names: dict[str, str], claimed: set[str]) -> None:
+    unclaimed = [n for n in sorted(names) if n in _FUSED_QKV | _FUSED_UP and _join(full, names[n]) not in claimed]
+    if unclaimed:
+        bad = _join(full, names[unclaimed[0]])
+        raise ValueError(
+            f"Module '{bad}' fuses several projections in one Linear. If its output rows are concatenated"
+            f" ([all q; all k; all v] or [gate; up]), a column split would hand each rank a mix of them."
+            f" If the rows are grouped per head / per key-value group (Megatron, GPT-NeoX layout), a column"
+            f" split is right: say so with tp_plan={{'{bad}': 'colwise'}}. Otherwise split it into separate"
+            f" Linear layers."
+        )
+
+
+_SPLIT_STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel)
+
+
+def _refuse_partial_gradients(
+    block: nn.Module, block_name: str, plan: Mapping[str, PlanEntry], seq: bool, region_of: Any
+) -> None:
+    """A whole (unsplit) parameter is only right where every rank sees the same full activations.
+
+    Inside attention/MLP each rank holds different heads or features; with sequence parallelism the
+    residual stream holds different tokens. A replicated parameter there would get a gradient from
+    this rank's part only, with nothing summing the parts: refuse instead of training wrong.
+    """
+    for sub_name, sub in block.named_modules():
+        full = _join(block_name, sub_name)
+        if not any(True for _ in sub.parameters(recurse=False)) or isinstance(plan.get(full), _SPLIT_STYLES):
+            continue
+        region = region_of(full)
+        if region is not None:
+            raise ValueError(
+                f"Module '{full}' holds parameters inside the tensor-parallel region '{region}', where each rank"
+                f" holds only some heads or features, so its gradient would miss the other ranks' part. Give it a"
+                f" splitting style in tp_plan ('colwise'/'rowwise'), or run this model without tensor parallelism."
+            )
+        if seq:
+            raise ValueError(
+                f"Module '{full}' holds parameters that no tensor-parallel style covers; with"
+                f" sequence_parallel=True it would see only this rank's part of the sequence and get a partial"
+                f" gradient. Set sequence_parallel=False, or tp_plan={{'{full}': 'sequence_parallel'}} if it is a"
+                f" per-token op such as a norm."
+            )
 
 
 def _add(plan: dict[str, PlanEntry], claimed: set[str], covered: set[str], name: str, style: PlanEntry) -> None:
@@ -306,8 +358,8 @@ def _refuse_tied(model: nn.Module, plan: Mapping[str, PlanEntry]) -> None:
             if key in owners and owners[key] != name:
                 raise ValueError(
                     f"Parameter '{name}.{pname}' is tied to '{owners[key]}'; tied weights cannot be split by two"
-                    f" different styles. Untie them (e.g. tie_word_embeddings=False) or keep one side"
-                    f" replicated with tp_plan={{'{name}': 'replicate'}}."
+                    f" different styles. Untie them (e.g. tie_word_embeddings=False), or keep both whole with"
+                    f" tp_plan={{'{owners[key]}': 'replicate', '{name}': 'replicate'}}."
                 )
             owners[key] = name
 
@@ -316,11 +368,14 @@ def _scale_head_counts(model: nn.Module, plan: Mapping[str, PlanEntry], tp: int)
     for key in plan:
         if not key.endswith("#heads"):
             continue
-        attn = model.get_submodule(key[: -len("#heads")])
+        attn_name = key[: -len("#heads")]
+        attn = model.get_submodule(attn_name)
         q_width = None
         for name, child in _linear_children(attn).items():
-            if name.lower() in _Q:
+            if name.lower() in _Q and isinstance(plan.get(_join(attn_name, name)), ColwiseParallel):
                 q_width = child.out_features
+        if q_width is None:
+            continue  # q/k/v kept whole by an explicit plan: head counts stay as they are
         for attr in HEAD_COUNT_ATTRS:
             value = getattr(attn, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):

@@ -98,7 +98,7 @@ class _Stack(nn.Module):
 
 
 def test_fused_qkv_is_named_with_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"Module 'blocks.0.attn.qkv' fuses several projections.*tp_plan="):
+    with pytest.raises(ValueError, match=r"Module 'blocks.0.attn.qkv' fuses several projections.*tp_plan=\{'blocks.0.attn.qkv': 'colwise'\}"):
         infer_tp_plan(_Stack(fused=True), 2)
 
 
@@ -108,10 +108,42 @@ def test_unknown_linear_is_named_with_the_fix() -> None:
 
 
 def test_explicit_plan_covers_what_inference_cannot() -> None:
-    plan = infer_tp_plan(_Stack(fused=False), 2, user_plan={"blocks.*.router": "replicate"})
+    plan = infer_tp_plan(_Stack(fused=False), 2, sequence_parallel=False, user_plan={"blocks.*.router": "replicate"})
     assert plan["blocks.0.router"] is None
     with pytest.raises(ValueError, match=r"tp_plan\['blocks.\*.router'\] = 'diagonal' is not a known style"):
         infer_tp_plan(_Stack(fused=False), 2, user_plan={"blocks.*.router": "diagonal"})
+
+
+def test_whole_parameters_on_sharded_activations_are_refused() -> None:
+    # With sequence parallelism a replicated layer sees only this rank's tokens: its gradient is partial.
+    with pytest.raises(ValueError, match=r"Module 'blocks.0.router' holds parameters.*sequence_parallel=True"):
+        infer_tp_plan(_Stack(fused=False), 2, user_plan={"blocks.*.router": "replicate"})
+    # A per-head norm inside attention sees only this rank's heads, with or without sequence parallelism.
+    model = _gpt()
+    for layer in model.layers:
+        layer.attn.q_norm = nn.LayerNorm(8)
+    for seq in (True, False):
+        with pytest.raises(ValueError, match=r"Module 'layers.0.attn.q_norm' holds parameters inside the tensor-parallel region 'layers.0.attn'"):
+            infer_tp_plan(model, 2, sequence_parallel=seq)
+
+
+def test_plan_order_does_not_depend_on_the_hash_seed() -> None:
+    # Sharding a parameter is a collective: every rank must walk the plan in the same order,
+    # also when ranks are separate interpreters with different string hashing.
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from tests.workloads import make_gpt; from lightning_llmpar.tensor_parallel import infer_tp_plan;"
+        "print(list(infer_tp_plan(make_gpt(), 2)))"
+    )
+    orders = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(orders) == 1
 
 
 def test_model_without_block_stack() -> None:
@@ -122,7 +154,7 @@ def test_model_without_block_stack() -> None:
 def test_tied_embedding_and_head_refused() -> None:
     model = _gpt()
     model.lm_head.weight = model.tok_emb.weight
-    with pytest.raises(ValueError, match=r"tied to 'tok_emb'.*tie_word_embeddings=False"):
+    with pytest.raises(ValueError, match=r"tied to 'tok_emb'.*tie_word_embeddings=False.*'tok_emb': 'replicate', 'lm_head': 'replicate'"):
         infer_tp_plan(model, 2)
 
 

@@ -89,12 +89,14 @@ def test_pipeline_accumulation_and_global_clipping(kwargs: dict[str, Any], world
     assert_pipeline_parity(ref, _run("gpt", kwargs, world, accumulate=2, clip=0.1, sgd=True))
 
 
-def test_validation_runs_through_the_schedule() -> None:
-    ref = reference_for("gpt", validate=True)
-    outs = _run("gpt", {"pipeline_parallel": 2}, 2, validate=True)
+def test_validation_and_predict_run_through_the_schedule() -> None:
+    ref = reference_for("gpt", validate=True, predict=True)
+    outs = _run("gpt", {"pipeline_parallel": 2}, 2, validate=True, predict=True)
     for out in outs:
         for key in ("val/loss", "val/ppl"):
             assert abs(out["val"][key] - ref["val"][key]) < 1e-4, (key, out["val"][key], ref["val"][key])
+        # Predictions come from the last stage and reach every rank.
+        assert torch.equal(out["predictions"], ref["predictions"])
 
 
 def test_checkpoint_moves_between_pipeline_and_one_process(tmp_path: Path) -> None:

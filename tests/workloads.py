@@ -85,7 +85,7 @@ class Recorder(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if not self.grads:
-            self.grads = {n: full(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
+            self.grads = {n: full(p.grad).cpu() for n, p in pl_module.named_parameters() if p.grad is not None}
 
 
 def fit(
@@ -102,6 +102,8 @@ def fit(
     samples: int = 256,
     epochs: int | None = None,
     validate: bool = False,
+    predict: bool = False,
+    accelerator: str = "cpu",
 ) -> dict[str, Any]:
     """Train ``model`` for ``steps`` and report what a parity test compares.
 
@@ -117,7 +119,7 @@ def fit(
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
     strategy: Any = "auto" if strategy_kwargs is None else LLMParallelStrategy(**strategy_kwargs)
     trainer = Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=1 if strategy_kwargs is None else world,
         strategy=strategy,
         max_steps=steps,
@@ -137,9 +139,10 @@ def fit(
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
     val = trainer.validate(module, datamodule=data, verbose=False)[0] if validate else {}
+    predictions = torch.cat(trainer.predict(module, dataloaders=data.val_dataloader())) if predict else None
     if save_to is not None:
         trainer.save_checkpoint(save_to)
-    params = {n: full(p) for n, p in module.named_parameters()}
+    params = {n: full(p).cpu() for n, p in module.named_parameters()}
     local_shapes = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in module.named_parameters()}
     return {"losses": recorder.losses, "grads": recorder.grads, "params": params, "local_shapes": local_shapes,
-            "logged": logged, "val": val}
+            "logged": logged, "val": val, "predictions": predictions}

@@ -58,6 +58,10 @@ class GPTModule(LightningModule):
         self.log("val/loss", self._loss(logits, y), sync_dist=True)
         self.log("val/ppl", self.val_ppl, prog_bar=True)
 
+    def predict_step(self, batch: tuple[Tensor, Tensor] | Tensor, batch_idx: int) -> Tensor:
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(x).argmax(-1)
+
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
         hp = self.hparams
         decay = [p for p in self.parameters() if p.ndim >= 2]

@@ -1,0 +1,46 @@
+"""GPU checks (NCCL). CI has no GPU: these skip cleanly there; run them on a machine with GPUs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.test_parity import GLOBAL_BATCH, assert_parity, reference_for
+from tests.workloads import fit
+
+pytestmark = pytest.mark.gpu
+
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+@needs_two_gpus
+@pytest.mark.parametrize(
+    "kwargs", [{"tensor_parallel": 2}, {"zero_stage": 3}, {"pipeline_parallel": 2}], ids=["tp2", "zero3", "pp2"]
+)
+def test_nccl_layouts_match_single_process(kwargs: dict[str, Any]) -> None:
+    from tests.distributed import run_ranks
+
+    dp = 2 // kwargs.get("tensor_parallel", 1) // kwargs.get("pipeline_parallel", 1)
+    outs = run_ranks(fit, 2, "gpt", kwargs, batch_size=GLOBAL_BATCH // dp, accelerator="cuda")
+    ref = reference_for("gpt")
+    if "pipeline_parallel" in kwargs:
+        from tests.test_pipeline import assert_pipeline_parity
+
+        assert_pipeline_parity(ref, outs)
+    else:
+        assert_parity(ref, outs, dp)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_strategy_runs_on_one_gpu() -> None:
+    from lightning.pytorch import Trainer
+
+    from lightning_llmpar import LLMParallelStrategy
+    from tests.workloads import TokenData, make_gpt
+
+    trainer = Trainer(accelerator="cuda", devices=1, strategy=LLMParallelStrategy(), max_steps=3, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
+    trainer.fit(make_gpt(), datamodule=TokenData(8))
+    assert trainer.global_step == 3
