@@ -24,11 +24,12 @@ from lightning_llmpar import LLMParallelStrategy
 from lightning_llmpar.models import GPTModule
 from lightning_llmpar.models.gpt import GPT
 from lightning_llmpar.pipeline_parallel import plan_stages
+from lightning_llmpar.pipeline_timeline import PipelineTimeline
 from tests.distributed import run_ranks
 
 OUT = Path(__file__).parent / "results" / "pipeline.json"
 MODEL = dict(vocab_size=256, block_size=128, n_layer=8, n_head=4, n_kv_head=2, n_embd=256)
-MB_SIZE = 4  # samples per microbatch, fixed so per-microbatch work is the same in every run
+MB_SIZE = 16  # samples per microbatch (fixed across runs): large enough that compute dwarfs p2p latency
 
 
 class _Data(LightningDataModule):
@@ -59,7 +60,9 @@ class _Clock(Callback):
             self.bubbles.append(runner.bubble_fraction())
 
 
-def lightning_run(strategy_kwargs: dict[str, Any] | None, microbatches: int, steps: int) -> dict[str, Any]:
+def lightning_run(
+    strategy_kwargs: dict[str, Any] | None, microbatches: int, steps: int, picture: bool = False
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     seed_everything(0, verbose=False)
     module = GPTModule(**MODEL)
@@ -67,9 +70,12 @@ def lightning_run(strategy_kwargs: dict[str, Any] | None, microbatches: int, ste
     world = int(os.environ.get("WORLD_SIZE", "1"))
     strategy: Any = "auto" if strategy_kwargs is None else LLMParallelStrategy(**strategy_kwargs)
     batch = MB_SIZE * microbatches
+    callbacks: list[Callback] = [clock]
+    if picture:  # the timeline of the last step, written to benchmarks/results
+        callbacks.append(PipelineTimeline(every_n_steps=steps, picture_at_step=steps))
     trainer = Trainer(accelerator="cpu", devices=world if strategy_kwargs else 1, strategy=strategy, max_steps=steps,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, limit_val_batches=0, callbacks=[clock], use_distributed_sampler=False)
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, default_root_dir=OUT.parent,
+                      enable_model_summary=False, limit_val_batches=0, callbacks=callbacks, use_distributed_sampler=False)
     trainer.fit(module, datamodule=_Data(batch, batch * (steps + 1)))
     return {"step_s": clock.times, "bubble": clock.bubbles, "tokens_per_step": batch * MODEL["block_size"]}
 
@@ -171,7 +177,7 @@ def main() -> None:
 
     m = 8
     one = run_ranks(lightning_run, 1, None, m, steps, timeout=1800)[0]
-    ours = run_ranks(lightning_run, pp, {"pipeline_parallel": pp, "pipeline_microbatches": m}, m, steps, timeout=1800)
+    ours = run_ranks(lightning_run, pp, {"pipeline_parallel": pp, "pipeline_microbatches": m}, m, steps, True, timeout=1800)
     plain = run_ranks(plain_loop, pp, m, steps, "Interleaved1F1B", timeout=1800)
     tps = lambda r: r["tokens_per_step"] / _steady(r["step_s"])  # noqa: E731
     t_one, t_ours, t_plain = tps(one), min(tps(o) for o in ours), min(tps(o) for o in plain)
@@ -183,6 +189,7 @@ def main() -> None:
         "speedup_pp2_vs_one_process": round(t_ours / t_one, 3),
         "scaling_efficiency_pp2": round(t_ours / (pp * t_one), 3),
         "ratio_to_plain_loop": round(t_ours / t_plain, 3),
+        "timeline_picture": str((OUT.parent / f"pipeline_timeline_step{steps}.png").relative_to(Path.cwd())),
     }
     print(json.dumps(results["throughput"]), flush=True)
     interleaved = {r["microbatches"]: r["measured_bubble"] for r in bubbles if r["schedule"] == "Interleaved1F1B"}

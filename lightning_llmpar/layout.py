@@ -114,16 +114,6 @@ class ParallelLayout:
             f" (zero_stage={self.zero_stage}, world_size={self.world_size})"
         )
 
-    def validate_model(self, num_heads: int | None, num_kv_heads: int | None, hidden: int | None) -> None:
-        """Shape checks that need the model; raised before any parameter is sharded."""
-        checks = (("attention heads", num_heads), ("key/value heads", num_kv_heads), ("hidden size", hidden))
-        for what, value in checks:
-            if value is not None and value % self.tp != 0:
-                raise ValueError(
-                    f"The model's {what} ({value}) is not divisible by tensor_parallel({self.tp}). Pick a"
-                    f" tensor_parallel degree that divides {value}."
-                )
-
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
         """The one mesh every technique slices, and its data-parallel axes flattened into one ('dp')."""
         shape = tuple(self.degrees[axis] for axis in MESH_AXES)

@@ -8,7 +8,14 @@ import torch
 from lightning.pytorch import LightningModule
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_llmpar.pipeline_parallel import SCHEDULES, V_SCHEDULES, StageLayout, plan_stages, split_model, stage_costs
+from lightning_llmpar.pipeline_parallel import (
+    SCHEDULES,
+    V_SCHEDULES,
+    StageLayout,
+    plan_stages,
+    split_model,
+    stage_costs,
+)
 from lightning_llmpar.pipeline_step import PipelineRunner
 from lightning_llmpar.structure import find_block_stack
 

@@ -183,7 +183,6 @@ class PipelineRunner:
     @contextmanager
     def _capture_logs(self) -> Iterator[None]:
         self._logged = []
-        original = self.module.log
 
         def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             if not self._inferring:

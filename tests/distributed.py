@@ -7,14 +7,13 @@ a fraction of a second and never inherits an OpenMP pool from the test process (
 from __future__ import annotations
 
 import io
+import multiprocessing as mp
 import os
 import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
-
-import multiprocessing as mp
 
 import torch
 

@@ -19,51 +19,49 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
 
 
-def _llmpar(tmp_path: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def _train_from_single(tmp_path: Path, *overrides: str) -> dict[str, str]:
+    """Run `llmpar fit` on single.yaml with overrides; return its closing report lines by key."""
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "lightning_llmpar.cli", *args]
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    args = ["fit", "--config", str(ROOT / "examples/configs/single.yaml"), "--trainer.devices", "2",
+            "--trainer.limit_val_batches", "2", "--data.max_bytes", "300000", *overrides]
+    result = subprocess.run([sys.executable, "-m", "lightning_llmpar.cli", *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return {line.split()[1]: line.split(maxsplit=2)[2] for line in result.stdout.splitlines() if line.startswith("llmpar: ")}
+
+
+def _assert_logged(report: dict[str, str], keys: tuple[str, ...]) -> None:
+    run_dir = Path(report["W&B"].split()[1])
+    # The offline run file holds protobuf records; logged metric names appear in it verbatim.
+    records = b"".join(p.read_bytes() for p in run_dir.glob("run-*.wandb"))
+    for key in keys:
+        assert key.encode() in records, f"{key} was not logged to the W&B run in {run_dir}"
 
 
 def test_cli_override_to_tensor_parallel_trains_logs_and_checkpoints(tmp_path: Path) -> None:
-    result = _llmpar(
-        tmp_path, "fit", "--config", str(ROOT / "examples/configs/single.yaml"),
-        "--trainer.devices", "2", "--trainer.strategy.tensor_parallel", "2",
-        "--trainer.max_steps", "10", "--trainer.val_check_interval", "5", "--trainer.limit_val_batches", "2",
-        "--trainer.log_every_n_steps", "5", "--data.max_bytes", "300000",
+    report = _train_from_single(
+        tmp_path, "--trainer.strategy.tensor_parallel", "2", "--trainer.max_steps", "10",
+        "--trainer.val_check_interval", "5", "--trainer.log_every_n_steps", "5",
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    lines = {line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("llmpar: ")}
-    assert "tp=2" in lines["layout"] and "world_size=2" in lines["layout"]
-    ckpt = Path(lines["checkpoint"].split(maxsplit=2)[2])
-    assert is_checkpoint(ckpt), ckpt
-    run_dir = Path(lines["W&B"].split()[3])
-    # The offline run file holds protobuf records; logged metric names appear in it verbatim.
-    records = b"".join(p.read_bytes() for p in run_dir.glob("run-*.wandb"))
-    for key in ("train/loss", "val/ppl", "val/loss", "perf/tokens_per_sec", "memory/rank0_mb", "memory/rank1_mb"):
-        assert key.encode() in records, f"{key} was not logged to the W&B run in {run_dir}"
+    assert "tp=2" in report["layout"] and "world_size=2" in report["layout"]
+    assert is_checkpoint(Path(report["checkpoint"])), report["checkpoint"]
+    _assert_logged(report, ("train/loss", "val/ppl", "val/loss", "perf/tokens_per_sec", "memory/rank0_mb",
+                            "memory/rank1_mb"))
 
 
 def test_cli_override_to_pipeline_parallel_draws_the_timeline(tmp_path: Path) -> None:
-    result = _llmpar(
-        tmp_path, "fit", "--config", str(ROOT / "examples/configs/single.yaml"),
-        "--trainer.devices", "2", "--trainer.strategy.pipeline_parallel", "2",
-        "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
-        "--trainer.log_every_n_steps", "3", "--data.max_bytes", "300000",
+    report = _train_from_single(
+        tmp_path, "--trainer.strategy.pipeline_parallel", "2", "--trainer.max_steps", "6",
+        "--trainer.val_check_interval", "3", "--trainer.log_every_n_steps", "3",
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    lines = {line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("llmpar: ")}
-    assert "pp=2" in lines["layout"]
-    picture = Path(lines["timeline"].split(maxsplit=2)[2])
+    assert "pp=2" in report["layout"]
+    picture = Path(report["timeline"])
     assert picture.is_file() and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert picture.parent == Path(report["checkpoint"]).parent
     actions = json.loads(picture.with_suffix(".json").read_text())
     assert {a[1] for rank in actions for a in rank["actions"]} == {"F", "B"}
     assert len(actions) == 2 and all(len(rank["actions"]) == 2 * 2 * 4 for rank in actions)  # 2 stages x 4 mb x F/B
-    assert picture.parent == Path(lines["checkpoint"].split(maxsplit=2)[2]).parent
-    run_dir = Path(lines["W&B"].split()[3])
-    records = b"".join(p.read_bytes() for p in run_dir.glob("run-*.wandb"))
-    for key in ("train/loss", "val/ppl", "pipeline/bubble_fraction", "pipeline/timeline"):
-        assert key.encode() in records, f"{key} was not logged to the W&B run in {run_dir}"
+    _assert_logged(report, ("train/loss", "val/ppl", "pipeline/bubble_fraction", "pipeline/timeline"))
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
