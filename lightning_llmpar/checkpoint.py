@@ -91,16 +91,22 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizers: Sequence[Opt
 
 
 def export_consolidated(path: str | Path, output: str | Path) -> Path:
-    """Gather the model weights of a distributed checkpoint into one ``torch.save`` file (one process)."""
+    """Gather the model weights of a checkpoint (DCP, or DeepSpeed's) into one ``torch.save`` file."""
     path, output = Path(path), Path(output)
-    metadata = FileSystemReader(path).read_metadata()
-    state: dict[str, Any] = {"model": {}}
-    for key, meta in metadata.state_dict_metadata.items():
-        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
-            state["model"][key[len("model.") :]] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    dcp.load(state, checkpoint_id=path, no_dist=True)
+    if (path / "ckpt").is_dir() and not (path / ".metadata").is_file():
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        weights = dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag="ckpt"))
+    else:
+        metadata = FileSystemReader(path).read_metadata()
+        state: dict[str, Any] = {"model": {}}
+        for key, meta in metadata.state_dict_metadata.items():
+            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
+                state["model"][key[len("model.") :]] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+        weights = state["model"]
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".partial")
-    torch.save(state["model"], tmp)
+    torch.save(weights, tmp)
     tmp.replace(output)
     return output

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["LLMParallelStrategy"]
 
 _START_METHOD = Literal["popen", "spawn", "fork", "forkserver"]
+_BACKEND = Literal["fsdp2", "deepspeed"]
 
 
 def _positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
@@ -83,10 +84,25 @@ class LLMParallelStrategy(ParallelStrategy):
         pipeline_microbatches: microbatches per step (default 2 x pipeline_parallel); must divide the batch.
         pipeline_virtual_stages: stages per pipeline rank (default 2 for multi-stage schedules, else 1).
         pipeline_split_points: block indices where stages 1..S-1 start (default: balanced by parameters).
+        sharding_backend: 'fsdp2' (default) or 'deepspeed' (data-parallel axis run by a DeepSpeed engine;
+            tensor_parallel and pipeline_parallel must be 1).
+        deepspeed_config: a DeepSpeed JSON config (path or dict) merged with these options;
+            contradictions are refused.
+        offload_optimizer: DeepSpeed only: 'cpu' or an NVMe directory for optimizer state (zero_stage >= 1).
+        offload_parameters: DeepSpeed only: 'cpu' or an NVMe directory for parameters (zero_stage 3).
+        gradient_compression: DeepSpeed only: 'onebit_adam' or 'zero_one_adam' where DeepSpeed ships them.
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
     """
 
     strategy_name = "llmpar"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> LLMParallelStrategy:
+        # One strategy for users; the DeepSpeed backend is a subclass with its own engine hooks.
+        if cls is LLMParallelStrategy and kwargs.get("sharding_backend") == "deepspeed":
+            from lightning_llmpar.deepspeed_strategy import LLMDeepSpeedStrategy
+
+            return super().__new__(LLMDeepSpeedStrategy)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -102,6 +118,11 @@ class LLMParallelStrategy(ParallelStrategy):
         pipeline_microbatches: int | None = None,
         pipeline_virtual_stages: int | None = None,
         pipeline_split_points: list[int] | None = None,
+        sharding_backend: _BACKEND = "fsdp2",
+        deepspeed_config: str | dict[str, Any] | None = None,
+        offload_optimizer: str | None = None,
+        offload_parameters: str | None = None,
+        gradient_compression: str | None = None,
         start_method: _START_METHOD = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -137,6 +158,21 @@ class LLMParallelStrategy(ParallelStrategy):
             raise ValueError(
                 "LLMParallelStrategy: cpu_offload=True needs sharded state to offload; set zero_stage to 1, 2 or 3."
             )
+        if sharding_backend not in get_args(_BACKEND):
+            raise ValueError(f"`sharding_backend` must be one of {get_args(_BACKEND)}, got {sharding_backend!r}.")
+        self._ds_options = {
+            "deepspeed_config": deepspeed_config,
+            "offload_optimizer": offload_optimizer,
+            "offload_parameters": offload_parameters,
+            "gradient_compression": gradient_compression,
+        }
+        if sharding_backend == "fsdp2":
+            given = sorted(k for k, v in self._ds_options.items() if v is not None)
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} apply to sharding_backend='deepspeed' only. With the default 'fsdp2'"
+                    " backend use cpu_offload=True for offloading; gradient compression is not available on it."
+                )
         if start_method not in get_args(_START_METHOD):
             raise ValueError(f"`start_method` must be one of {get_args(_START_METHOD)}, got {start_method!r}.")
         if tp_plan is not None and not isinstance(tp_plan, Mapping):

@@ -16,4 +16,15 @@ if ! $PY -c "import torch" 2>/dev/null; then
 fi
 # Editable install with the test extras; everything already present is left as it is.
 $PIP -e ".[dev]"
+# DeepSpeed compiles its CPU communication op the first time a process group starts; build it here,
+# once per machine (cached under ~/.cache/torch_extensions), rather than inside a timed test.
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  $PY - <<'PYEOF' >/dev/null 2>&1 || echo "note: DeepSpeed's CPU comm op was not prebuilt; it will build on first use"
+import deepspeed.ops
+from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+    builder.load()
+PYEOF
+fi
 $PY -c "import lightning_llmpar, torch; print(f'lightning_llmpar {lightning_llmpar.__version__} ready (torch {torch.__version__})')"

@@ -84,8 +84,16 @@ class Recorder(Callback):
         self.losses.append(float(outputs["loss"]))
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        if not self.grads:
-            self.grads = {n: full(p.grad).cpu() for n, p in pl_module.named_parameters() if p.grad is not None}
+        if self.grads:
+            return
+        if getattr(trainer.strategy, "engine", None) is not None:
+            # DeepSpeed keeps gradients in its own partitions, not in p.grad.
+            from deepspeed.utils import safe_get_full_grad
+
+            grads = {n: safe_get_full_grad(p) for n, p in pl_module.named_parameters()}
+            self.grads = {n: g.detach().clone().cpu() for n, g in grads.items() if g is not None}
+            return
+        self.grads = {n: full(p.grad).cpu() for n, p in pl_module.named_parameters() if p.grad is not None}
 
 
 def fit(
@@ -143,6 +151,10 @@ def fit(
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     params = {n: full(p).cpu() for n, p in module.named_parameters()}
+    if getattr(trainer.strategy, "engine", None) is not None:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        params = {n: safe_get_full_fp32_param(p).detach().clone().cpu() for n, p in module.named_parameters()}
     local_shapes = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in module.named_parameters()}
     return {"losses": recorder.losses, "grads": recorder.grads, "params": params, "local_shapes": local_shapes,
             "logged": logged, "val": val, "predictions": predictions}
