@@ -50,6 +50,7 @@ def build_deepspeed_config(
     gradient_compression: str | None = None,
     micro_batch_size: int = 1,
     accumulate: int = 1,
+    num_params: int | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config for this run: the user's config plus ours, refusing any contradiction."""
     user = _load(user_config)
@@ -71,6 +72,12 @@ def build_deepspeed_config(
                 f" {wanted['device']!r}. Keep one of the two."
             )
         zero[key] = {**zero.get(key, {}), **wanted}
+    if num_params is not None:
+        # DeepSpeed's bucket defaults (5e8 elements, 2 GB in fp32) are sized for multi-billion models and
+        # are allocated whole; never let a bucket exceed the model it holds. User settings win.
+        bucket = int(min(5e8, max(1e6, num_params)))
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
+            zero.setdefault(key, bucket)
     config["zero_optimization"] = zero
     for section in ("fp16", "bf16"):
         if user.get(section, {}).get("enabled"):

@@ -78,6 +78,7 @@ class LLMDeepSpeedStrategy(LLMParallelStrategy):
             zero_stage=self.layout.zero_stage,
             gradient_clipping=float(clip) if clip else None,
             accumulate=trainer.accumulate_grad_batches,
+            num_params=sum(p.numel() for p in module.parameters()),
             **self._ds_static(),
         )
         self.engine, ds_optimizer, _, _ = deepspeed.initialize(

@@ -70,6 +70,11 @@ def test_user_config_is_merged() -> None:
     assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert config["gradient_clipping"] == 1.0 and config["gradient_accumulation_steps"] == 4
     assert config["wall_clock_breakdown"] is False
+    # Buckets never exceed the model; the user's own bucket size wins.
+    sized = build_deepspeed_config(zero_stage=3, num_params=25_000_000, user_config={"zero_optimization": {"reduce_bucket_size": 7}})
+    assert sized["zero_optimization"]["allgather_bucket_size"] == 25_000_000
+    assert sized["zero_optimization"]["stage3_prefetch_bucket_size"] == 25_000_000
+    assert sized["zero_optimization"]["reduce_bucket_size"] == 7
 
 
 @pytest.mark.parametrize(
