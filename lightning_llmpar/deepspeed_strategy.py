@@ -29,10 +29,9 @@ DS_TAG = "ckpt"  # one tag per checkpoint folder; the folder name carries the st
 
 
 class LLMDeepSpeedStrategy(LLMParallelStrategy):
-    """Created by ``LLMParallelStrategy(sharding_backend="deepspeed", ...)``."""
+    """What ``LLMParallelStrategy(sharding_backend="deepspeed", ...)`` becomes at construction."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def _init_backend(self) -> None:
         layout_args = self._degrees
         check_deepspeed_layout(
             layout_args["tensor_parallel"], layout_args["pipeline_parallel"], self.parallel_config.cpu_offload,

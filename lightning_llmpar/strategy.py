@@ -96,14 +96,6 @@ class LLMParallelStrategy(ParallelStrategy):
 
     strategy_name = "llmpar"
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> LLMParallelStrategy:
-        # One strategy for users; the DeepSpeed backend is a subclass with its own engine hooks.
-        if cls is LLMParallelStrategy and kwargs.get("sharding_backend") == "deepspeed":
-            from lightning_llmpar.deepspeed_strategy import LLMDeepSpeedStrategy
-
-            return super().__new__(LLMDeepSpeedStrategy)
-        return super().__new__(cls)
-
     def __init__(
         self,
         tensor_parallel: int = 1,
@@ -193,6 +185,13 @@ class LLMParallelStrategy(ParallelStrategy):
         self._layout: ParallelLayout | None = None
         self._runner: PipelineRunner | None = None
         self._fsdp_roots: list[torch.nn.Module] = []
+        if sharding_backend == "deepspeed":
+            # One strategy for users and for LightningCLI (whose signature it reads from __init__); the
+            # DeepSpeed engine hooks live in a subclass this instance becomes.
+            from lightning_llmpar.deepspeed_strategy import LLMDeepSpeedStrategy
+
+            self.__class__ = LLMDeepSpeedStrategy
+            self._init_backend()
         self._device_mesh: DeviceMesh | None = None
         self._dp_mesh: DeviceMesh | None = None
         self.num_nodes = 1
