@@ -1,0 +1,56 @@
+"""A distributed sampler whose position is part of the checkpoint: a resumed epoch sees each sample once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+__all__ = ["ResumableDistributedSampler"]
+
+
+class ResumableDistributedSampler(Sampler[int]):
+    """Shuffles the whole dataset per epoch (seed + epoch), deals it to data-parallel ranks, and can start
+    after the first ``consumed`` samples of the epoch (counted over all ranks).
+
+    The consumed samples are a prefix of the epoch's global order, so resuming deals out exactly the
+    rest, also under a different number of data-parallel ranks. Build it with the strategy's
+    ``distributed_sampler_kwargs`` and ``Trainer(use_distributed_sampler=False)``; the
+    ``FaultTolerantCheckpoint`` callback saves and restores its position.
+    """
+
+    def __init__(self, dataset: Sized, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is not in [0, num_replicas={num_replicas}).")
+        self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
+        self.shuffle, self.seed = shuffle, seed
+        self.epoch = 0
+        self.consumed = 0  # samples of this epoch already trained on, over all ranks
+        self.total = (len(dataset) // num_replicas) * num_replicas  # equal share per rank, like drop_last
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.consumed = 0
+        self.epoch = epoch
+
+    def order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.total))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=g)[: self.total].tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        # A generator: the position is read when the first index is drawn, not when the loader is built.
+        rest = self.order()[self.consumed :]
+        yield from rest[self.rank :: self.num_replicas]
+
+    def __len__(self) -> int:
+        return (self.total - self.consumed) // self.num_replicas
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.consumed, self.seed = state["epoch"], state["consumed"], state["seed"]

@@ -1,0 +1,118 @@
+"""A training run that can be killed on purpose (tests/test_fault_tolerance.py); also a torchrun script:
+
+    torchrun --nproc-per-node 2 --max-restarts 3 tests/ft_train.py --out DIR --kill-at 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule, Trainer, seed_everything
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_llmpar import LLMParallelStrategy, checkpoint
+from lightning_llmpar.data_position import ResumableDistributedSampler
+from lightning_llmpar.fault_tolerance import FaultTolerantCheckpoint, StepGuard
+from lightning_llmpar.models import GPTModule
+
+VOCAB, SEQ, SAMPLES = 64, 16, 64
+
+
+class _Tokens(Dataset):
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=g)
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.tokens[i, :-1], self.tokens[i, 1:], i
+
+
+class _Data(LightningDataModule):
+    def train_dataloader(self) -> DataLoader:
+        kwargs = self.trainer.strategy.distributed_sampler_kwargs
+        sampler = ResumableDistributedSampler(_Tokens(), shuffle=True, seed=7, **kwargs)
+        return DataLoader(_Tokens(), batch_size=4, sampler=sampler, drop_last=True)
+
+
+class _Module(GPTModule):
+    def __init__(self, out: Path, kill_at: int) -> None:
+        super().__init__(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, n_kv_head=2, n_embd=32,
+                         learning_rate=1e-2, warmup_steps=2, total_steps=40)
+        self.out, self.kill_at = out, kill_at
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, ids = batch
+        step, rank = self.trainer.global_step, self.trainer.global_rank
+        with open(self.out / f"seen_rank{rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "epoch": self.trainer.current_epoch, "ids": ids.tolist()}) + "\n")
+        if step == self.kill_at and rank == 1 and _first_time(self.out / "killed"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().training_step((x, y), batch_idx)
+
+
+def _first_time(marker: Path) -> bool:
+    try:
+        marker.touch(exist_ok=False)
+        return True
+    except FileExistsError:
+        return False
+
+
+def _kill_while_saving(out: Path) -> None:
+    # Die after the shards are written but before the checkpoint is complete (meta.pt, rename).
+    original = torch.save
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if str(f).endswith(checkpoint.META_FILE) and _first_time(out / "killed"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        original(obj, f, *args, **kwargs)
+
+    checkpoint.torch.save = save  # type: ignore[attr-defined]
+
+
+def train(out: Path, steps: int = 12, kill_at: int = -1, kill_in_save: bool = False,
+          strategy: dict[str, Any] | None = None, timeout_s: float = 1800, save_every: int = 3) -> int:
+    """Train to ``steps`` from the newest intact checkpoint in ``out/ckpt`` (if any); returns the final step."""
+    from datetime import timedelta
+
+    torch.set_num_threads(1)
+    if kill_in_save:
+        _kill_while_saving(out)
+    seed_everything(0, verbose=False)
+    module = _Module(out, kill_at)
+    trainer = Trainer(
+        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        strategy=LLMParallelStrategy(**(strategy or {"zero_stage": 3}), timeout=timedelta(seconds=timeout_s)),
+        max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, use_distributed_sampler=False,
+        callbacks=[FaultTolerantCheckpoint(str(out / "ckpt"), every_n_train_steps=save_every, keep_last=2), StepGuard()],
+    )
+    trainer.fit(module, datamodule=_Data(), ckpt_path="last")
+    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in module.named_parameters()}
+    if trainer.global_rank == 0:
+        torch.save(weights, out / "final.pt")
+    return trainer.global_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--kill-in-save", action="store_true")
+    parser.add_argument("--strategy", type=json.loads, default={"zero_stage": 3})
+    args = parser.parse_args()
+    train(args.out, args.steps, args.kill_at, args.kill_in_save, args.strategy)
+
+
+if __name__ == "__main__":
+    main()
