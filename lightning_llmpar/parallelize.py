@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from lightning_llmpar.activation_checkpoint import ActivationCheckpointing
 from lightning_llmpar.data_parallel import apply_data_parallel
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.structure import find_block_stack
@@ -33,6 +34,7 @@ def parallelize(
     mesh: DeviceMesh,
     config: ParallelConfig,
     stage_roots: Sequence[nn.Module] = (),
+    checkpointing: ActivationCheckpointing | None = None,
 ) -> list[nn.Module]:
     """Apply tensor parallelism, then data parallelism (ZeRO via FSDP2), to ``model`` in place.
 
@@ -45,6 +47,8 @@ def parallelize(
     if layout.tp > 1:
         plan = infer_tp_plan(model, layout.tp, sequence_parallel=config.sequence_parallel, user_plan=config.tp_plan)
         apply_tensor_parallel(model, mesh["tp"], plan)
+    if checkpointing is not None:
+        checkpointing.apply(model)
     if not (layout.dp > 1 or config.cpu_offload):
         return []
     dp_mesh = mesh["dp_replicate", "dp_shard"]

@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_llmpar import checkpoint as ckpt
+from lightning_llmpar.activation_checkpoint import ActivationCheckpointing
 from lightning_llmpar.clip import clip_grad_norm_
 from lightning_llmpar.data_parallel import no_gradient_sync
 from lightning_llmpar.layout import ZERO_STAGES, ParallelLayout
@@ -305,7 +306,10 @@ class LLMParallelStrategy(ParallelStrategy):
             if self.layout.pp > 1:
                 self._runner = build_pipeline(module, self.pipeline, self.device_mesh["pp"], self.root_device)
                 stage_roots = list(self._runner.stage_modules.values())
-            self._fsdp_roots = parallelize(module, self.layout, self.device_mesh, self.parallel_config, stage_roots)
+            checkpointing = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)
+            self._fsdp_roots = parallelize(
+                module, self.layout, self.device_mesh, self.parallel_config, stage_roots, checkpointing
+            )
             module._llmpar_parallelized = (self.layout, self._runner, self._fsdp_roots)
         _materialize_distributed_module(module, self.root_device)
         self.model = self.precision_plugin.convert_module(module)

@@ -112,6 +112,7 @@ def fit(
     validate: bool = False,
     predict: bool = False,
     accelerator: str = "cpu",
+    checkpointing: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` for ``steps`` and report what a parity test compares.
 
@@ -124,6 +125,10 @@ def fit(
         module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.5)  # type: ignore[method-assign]
     recorder = Recorder()
     callbacks: list[Callback] = [recorder]
+    if checkpointing is not None:
+        from lightning_llmpar.activation_checkpoint import ActivationCheckpointing
+
+        callbacks.append(ActivationCheckpointing(**checkpointing))
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
     strategy: Any = "auto" if strategy_kwargs is None else LLMParallelStrategy(**strategy_kwargs)
     trainer = Trainer(
@@ -157,4 +162,5 @@ def fit(
         params = {n: safe_get_full_fp32_param(p).detach().clone().cpu() for n, p in module.named_parameters()}
     local_shapes = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in module.named_parameters()}
     return {"losses": recorder.losses, "grads": recorder.grads, "params": params, "local_shapes": local_shapes,
-            "logged": logged, "val": val, "predictions": predictions}
+            "logged": logged, "val": val, "predictions": predictions,
+            "checkpointing_applied": any(getattr(c, "applied", False) for c in callbacks)}
