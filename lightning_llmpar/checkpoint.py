@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-__all__ = ["save_checkpoint", "load_checkpoint", "is_checkpoint", "export_consolidated", "META_FILE"]
+__all__ = ["save_checkpoint", "write_atomically", "write_distributed", "load_checkpoint", "is_checkpoint", "export_consolidated", "META_FILE"]
 
 META_FILE = "meta.pt"  # everything Lightning keeps besides tensors: loops, callbacks, schedulers, hparams
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -45,24 +45,20 @@ def _tensor_state(model: nn.Module, optimizers: Sequence[Optimizer]) -> dict[str
     return state
 
 
-def save_checkpoint(
-    path: str | Path,
-    model: nn.Module,
-    optimizers: Sequence[Optimizer],
-    meta: dict[str, Any],
-    *,
-    is_rank_zero: bool,
-    barrier: Callable[[], None],
+def write_atomically(
+    path: str | Path, write: Callable[[Path], None], *, is_rank_zero: bool, barrier: Callable[[], None]
 ) -> Path:
-    """Write model + optimizer shards and ``meta``; visible under ``path`` only once complete."""
+    """Run ``write(staging_folder)`` on every rank; the result appears under ``path`` only once complete.
+
+    Shared by every checkpoint format (DCP here, DeepSpeed's engine in its backend): a crash leaves at
+    most a hidden ``.<name>.partial`` folder, never a half-written checkpoint under the final name.
+    """
     path = Path(path)
     staging = path.with_name(f".{path.name}.partial")
     if is_rank_zero and staging.exists():
         shutil.rmtree(staging)
     barrier()
-    dcp.save(_tensor_state(model, optimizers), checkpoint_id=staging)
-    if is_rank_zero:
-        torch.save(meta, staging / META_FILE)
+    write(staging)
     barrier()
     if is_rank_zero:
         old = path.with_name(f".{path.name}.old")
@@ -73,6 +69,33 @@ def save_checkpoint(
             shutil.rmtree(old)
     barrier()
     return path
+
+
+def save_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    meta: dict[str, Any],
+    *,
+    is_rank_zero: bool,
+    barrier: Callable[[], None],
+) -> Path:
+    """Write model + optimizer shards and ``meta`` (DCP), atomically."""
+    return write_atomically(
+        path,
+        lambda staging: write_distributed(staging, model, optimizers, meta, is_rank_zero=is_rank_zero),
+        is_rank_zero=is_rank_zero,
+        barrier=barrier,
+    )
+
+
+def write_distributed(
+    folder: Path, model: nn.Module, optimizers: Sequence[Optimizer], meta: dict[str, Any], *, is_rank_zero: bool
+) -> None:
+    """This rank's DCP shards, plus ``meta`` from rank 0, into ``folder``."""
+    dcp.save(_tensor_state(model, optimizers), checkpoint_id=folder)
+    if is_rank_zero:
+        torch.save(meta, folder / META_FILE)
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizers: Sequence[Optimizer]) -> dict[str, Any]:

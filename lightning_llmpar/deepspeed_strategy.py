@@ -7,7 +7,6 @@ one runs on gloo as well as NCCL.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -118,23 +117,9 @@ class LLMDeepSpeedStrategy(LLMParallelStrategy):
         return result
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
-        path = Path(self.broadcast(str(filepath)))
-        staging = path.with_name(f".{path.name}.partial")
-        if self.is_global_zero and staging.exists():
-            shutil.rmtree(staging)
-        self.barrier()
-        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        meta["llmpar_layout"] = f"{self.layout} [deepspeed]"
-        self.engine.save_checkpoint(str(staging), tag=DS_TAG, client_state=meta, save_latest=False)
-        self.barrier()
-        if self.is_global_zero:
-            if path.exists():
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-            staging.rename(path)
-        self.barrier()
+    def _write_checkpoint(self, folder: Path, meta: dict[str, Any]) -> None:
+        meta = {**meta, "llmpar_backend": "deepspeed"}
+        self.engine.save_checkpoint(str(folder), tag=DS_TAG, client_state=meta, save_latest=False)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -30,15 +30,9 @@ from lightning_llmpar.pipeline_parallel import (
     build_schedule,
     replace_module,
 )
+from lightning_llmpar.structure import first_arg_name
 
-__all__ = ["PipelineRunner"]
-
-
-def _first_arg_name(module: nn.Module) -> str:
-    import inspect
-
-    params = [p for p in inspect.signature(module.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
-    return params[0].name if params else ""
+__all__ = ["PipelineRunner", "bubble_fraction"]
 
 
 class PipelineRunner:
@@ -145,7 +139,7 @@ class PipelineRunner:
         handles = []
         if incoming is not None:
             first_block = self.blocks[start]
-            name = _first_arg_name(first_block)
+            name = first_arg_name(first_block)
 
             def substitute(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
                 if args:
@@ -160,7 +154,7 @@ class PipelineRunner:
 
             handles.append(self.blocks[stop - 1].register_forward_hook(boundary))
         try:
-            with self._metrics_frozen() if self._inferring else _nullcontext():
+            with self._metrics_frozen() if self._inferring else nullcontext():
                 out = getattr(self.module, self._method)(batch, *self._step_args)
         except StageBoundary as done:
             return done.activation
@@ -306,15 +300,15 @@ class PipelineRunner:
     # ------------------------------------------------------------------ timeline
 
     def bubble_fraction(self) -> float:
-        """Idle share of this rank during the last step: 1 - (time in stage compute) / (step time)."""
-        start, end = self.step_window
-        busy = sum(t1 - t0 for _, _, _, t0, t1 in self.timeline)
-        return max(0.0, 1.0 - busy / max(end - start, 1e-9))
+        """Idle share of this rank during the last step."""
+        return bubble_fraction(self.timeline, self.step_window)
 
 
-@contextmanager
-def _nullcontext() -> Iterator[None]:
-    yield
+def bubble_fraction(actions: list[tuple], window: tuple[float, float]) -> float:
+    """Idle share of one rank in one step: 1 - (time inside stage compute) / (step time)."""
+    start, end = window
+    busy = sum(t1 - t0 for *_, t0, t1 in actions)
+    return max(0.0, 1.0 - busy / max(end - start, 1e-9))
 
 
 def _batch_size(batch: Any) -> int:

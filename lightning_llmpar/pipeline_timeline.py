@@ -10,16 +10,11 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 
+from lightning_llmpar.pipeline_step import bubble_fraction
+
 __all__ = ["PipelineTimeline", "draw_timeline", "bubble_fraction"]
 
 _COLORS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b"}
-
-
-def bubble_fraction(actions: list[tuple], window: tuple[float, float]) -> float:
-    """Idle share of one rank in one step: 1 - (time inside stage compute) / (step time)."""
-    start, end = window
-    busy = sum(t1 - t0 for *_, t0, t1 in actions)
-    return max(0.0, 1.0 - busy / max(end - start, 1e-9))
 
 
 def draw_timeline(ranks: list[dict[str, Any]], path: Path, title: str) -> Path:

@@ -461,10 +461,15 @@ class LLMParallelStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         meta["llmpar_layout"] = str(self.layout)
-        assert self.model is not None
-        ckpt.save_checkpoint(
-            path, self.model, self._raw_optimizers(), meta, is_rank_zero=self.is_global_zero, barrier=self.barrier
+        ckpt.write_atomically(
+            path, lambda staging: self._write_checkpoint(staging, meta), is_rank_zero=self.is_global_zero,
+            barrier=self.barrier,
         )
+
+    def _write_checkpoint(self, folder: Path, meta: dict[str, Any]) -> None:
+        """Write this rank's part of a checkpoint into ``folder`` (the sharding backend's format)."""
+        assert self.model is not None
+        ckpt.write_distributed(folder, self.model, self._raw_optimizers(), meta, is_rank_zero=self.is_global_zero)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

@@ -6,11 +6,12 @@ Most transformer LMs keep their layers in one ``nn.ModuleList`` (``model.layers`
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["BlockStack", "find_block_stack", "num_params"]
+__all__ = ["BlockStack", "find_block_stack", "first_arg_name", "num_params"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,12 @@ class BlockStack:
     def total(self) -> int:
         """Number of blocks in the whole model (also on a pipeline rank that holds only some)."""
         return len(self.blocks)
+
+
+def first_arg_name(module: nn.Module) -> str:
+    """Name of the first argument of ``module.forward`` (callers may pass it by keyword)."""
+    params = [p for p in inspect.signature(module.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
+    return params[0].name if params else ""
 
 
 def num_params(module: nn.Module) -> int:

@@ -8,7 +8,6 @@ sequence parallelism) after attention and one after the MLP.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from typing import Any
@@ -24,7 +23,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lightning_llmpar.structure import find_block_stack
+from lightning_llmpar.structure import find_block_stack, first_arg_name
 
 __all__ = ["TP_STYLES", "infer_tp_plan", "apply_tensor_parallel", "HEAD_COUNT_ATTRS"]
 
@@ -72,7 +71,7 @@ class PrepareFirstInput(ParallelStyle):
         return dt.redistribute(placements=(self.desired,)).to_local()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        first = _first_arg_name(module)
+        first = first_arg_name(module)
 
         def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if args:
@@ -104,11 +103,6 @@ class GatherFirstOutput(ParallelStyle):
 
         module.register_forward_hook(hook)
         return module
-
-
-def _first_arg_name(module: nn.Module) -> str:
-    params = [p for p in inspect.signature(module.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
-    return params[0].name if params else ""
 
 
 # Styles an explicit plan can name (Python or YAML): module-name pattern -> one of these keys.
@@ -339,7 +333,6 @@ def _plan_outside(
                 f" Pad the vocabulary to a multiple of {tp}, or set tp_plan={{'{name}': 'replicate'}}."
             )
         plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        vocab_sizes.add(module.num_embeddings)
     for name, module in model.named_modules():
         if inside_stack(name) or name in claimed or not isinstance(module, nn.Linear):
             continue

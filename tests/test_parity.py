@@ -16,12 +16,9 @@ LOSS_TOL, GRAD_TOL, PARAM_TOL = 1e-5, 1e-5, 5e-4  # weights after 10 Adam steps 
 
 
 @cache
-def reference(model: str, **kwargs: Any) -> dict[str, Any]:
-    return run_ranks(fit, 1, model, None, batch_size=GLOBAL_BATCH, **kwargs)[0]
-
-
 def reference_for(model: str, **kwargs: Any) -> dict[str, Any]:
-    return reference(model, **kwargs)
+    """Single-device Lightning run (no strategy of ours), computed once per test session and argument set."""
+    return run_ranks(fit, 1, model, None, batch_size=GLOBAL_BATCH, **kwargs)[0]
 
 
 def assert_parity(ref: dict[str, Any], outs: list[dict[str, Any]], dp: int) -> None:
