@@ -26,6 +26,9 @@ class ParallelConfig:
     tp_plan: Mapping[str, str] = field(default_factory=dict)
     cpu_offload: bool = False
     mp_policy: MixedPrecisionPolicy | None = None
+    # Apply FSDP2 even with one data-parallel rank: its policy is what casts fp32 master weights to the
+    # compute dtype (BF16 true).
+    always_shard: bool = False
 
 
 def parallelize(
@@ -49,7 +52,7 @@ def parallelize(
         apply_tensor_parallel(model, mesh["tp"], plan)
     if checkpointing is not None:
         checkpointing.apply(model)
-    if not (layout.dp > 1 or config.cpu_offload):
+    if not (layout.dp > 1 or config.cpu_offload or config.always_shard):
         return []
     dp_mesh = mesh["dp_replicate", "dp_shard"]
     kwargs = {"zero_stage": layout.zero_stage, "cpu_offload": config.cpu_offload, "mp_policy": config.mp_policy}

@@ -61,6 +61,8 @@ class PipelineRunner:
         self._stash: dict[nn.Parameter, Tensor | None] = {}
         self._accumulate = 1
         self._inferring = 0
+        # Loss scaling (FP16): the schedule runs backward itself, so the scale is applied per microbatch.
+        self.scale_loss: Callable[[Tensor], Tensor] | None = None
         self.timeline: list[tuple[int, str, int, float, float]] = []  # (stage, kind, microbatch, t0, t1)
         self.step_window: tuple[float, float] = (0.0, 0.0)
 
@@ -110,7 +112,8 @@ class PipelineRunner:
 
     def _loss(self, output: Tensor, target: Any) -> Tensor:
         # The stage output of the last stage is the user's loss for one microbatch.
-        return output / (self._n_mb * self._accumulate)
+        loss = output / (self._n_mb * self._accumulate)
+        return self.scale_loss(loss) if self.scale_loss is not None else loss
 
     def _record_actions(self, stage: PipelineStage) -> None:
         # Wrap the stage's compute entry points to time every action the schedule really runs.

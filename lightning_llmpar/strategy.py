@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -303,9 +304,11 @@ class LLMParallelStrategy(ParallelStrategy):
                 )
         else:
             stage_roots: list[torch.nn.Module] = []
+            self._apply_precision_plan(module)
             if self.layout.pp > 1:
                 self._runner = build_pipeline(module, self.pipeline, self.device_mesh["pp"], self.root_device)
                 stage_roots = list(self._runner.stage_modules.values())
+                self._runner.scale_loss = getattr(self.precision_plugin, "scale_loss", None)
             checkpointing = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)
             self._fsdp_roots = parallelize(
                 module, self.layout, self.device_mesh, self.parallel_config, stage_roots, checkpointing
@@ -322,6 +325,17 @@ class LLMParallelStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._install_global_clipping()
+
+    def _apply_precision_plan(self, module: torch.nn.Module) -> None:
+        # Module swaps (FP8 linears) come before anything is split or sharded; the FSDP2 mixed-precision
+        # policy goes into the sharding step (see lightning_llmpar.precision).
+        precision = self.precision_plugin
+        if hasattr(precision, "convert_before_parallelism"):
+            precision.convert_before_parallelism(module)
+        policy = precision.mp_policy() if hasattr(precision, "mp_policy") else None
+        self.parallel_config = dataclasses.replace(
+            self.parallel_config, mp_policy=policy, always_shard=bool(getattr(precision, "needs_sharding_wrapper", False))
+        )
 
     @override
     def model_to_device(self) -> None:

@@ -113,6 +113,8 @@ def fit(
     predict: bool = False,
     accelerator: str = "cpu",
     checkpointing: dict[str, Any] | None = None,
+    precision: tuple[str, dict[str, Any]] | None = None,
+    callbacks_extra: list[Callback] | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` for ``steps`` and report what a parity test compares.
 
@@ -129,6 +131,12 @@ def fit(
         from lightning_llmpar.activation_checkpoint import ActivationCheckpointing
 
         callbacks.append(ActivationCheckpointing(**checkpointing))
+    callbacks.extend(callbacks_extra or [])
+    plugins: list[Any] = []
+    if precision is not None:
+        from lightning_llmpar import precision as llmpar_precision
+
+        plugins.append(getattr(llmpar_precision, precision[0])(**precision[1]))
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
     strategy: Any = "auto" if strategy_kwargs is None else LLMParallelStrategy(**strategy_kwargs)
     trainer = Trainer(
@@ -147,6 +155,7 @@ def fit(
         callbacks=callbacks,
         max_epochs=epochs,
         use_distributed_sampler=False,
+        plugins=plugins or None,
     )
     data = TokenData(batch_size, n=samples)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
@@ -163,4 +172,52 @@ def fit(
     local_shapes = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in module.named_parameters()}
     return {"losses": recorder.losses, "grads": recorder.grads, "params": params, "local_shapes": local_shapes,
             "logged": logged, "val": val, "predictions": predictions,
-            "checkpointing_applied": any(getattr(c, "applied", False) for c in callbacks)}
+            "checkpointing_applied": any(getattr(c, "applied", False) for c in callbacks),
+            "plugin": _plugin_report(trainer), "extra": [_plain(vars(c)) for c in callbacks_extra or []]}
+
+
+def _plain(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if isinstance(v, (int, float, str, list))}
+
+
+def _plugin_report(trainer: Trainer) -> dict[str, Any]:
+    plugin = trainer.precision_plugin
+    scaler = getattr(plugin, "scaler", None)
+    weights = {type(_local(m.weight)).__name__ for m in trainer.lightning_module.modules() if type(m).__name__ == "Float8Linear"}
+    return {"type": type(plugin).__name__, "scale": float(scaler.get_scale()) if scaler is not None else None,
+            "converted": list(getattr(plugin, "converted", [])), "fp8_weight_types": sorted(weights)}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class InjectInf(Callback):
+    """Puts an inf into one gradient shard of one rank at one step: an overflow only that rank can see."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            grad = next(p.grad for p in pl_module.parameters() if p.grad is not None)
+            _local(grad).view(-1)[0] = float("inf")
+
+
+class StepRecorder(Callback):
+    """Per step: the loss scale, and whether this rank's parameters changed (did the optimizer step)."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+        self.updated: list[bool] = []
+        self._before = 0.0
+
+    def _checksum(self, module: LightningModule) -> float:
+        return float(sum(_local(p.data).double().sum() for p in module.parameters()))
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, idx: int) -> None:
+        self._before = self._checksum(pl_module)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int) -> None:
+        self.updated.append(self._checksum(pl_module) != self._before)
+        self.scales.append(float(trainer.precision_plugin.scaler.get_scale()))
