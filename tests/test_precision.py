@@ -107,3 +107,43 @@ def test_bad_precision_arguments_are_refused() -> None:
         FP8Precision(recipe="rowwise")
     with pytest.raises(ValueError, match="recipe must be one of"):
         FP8Precision(recipe="mxfp8")
+
+
+@pytest.mark.parametrize(("kwargs", "world"), [pytest.param({"tensor_parallel": 2, "pipeline_parallel": 2}, 4, id="tp2-pp2")])
+def test_flops_per_device_count_the_whole_model_once(kwargs: dict[str, Any], world: int) -> None:
+    from lightning_llmpar.callbacks import ThroughputAndMemory, model_flops_per_token
+
+    single = model_flops_per_token(make_gpt(), seq_len=16)
+    model = make_gpt()
+    embedding = model.model.tok_emb.weight.numel()
+    assert single == 6 * (sum(p.numel() for p in model.parameters()) - embedding) + 12 * 4 * 32 * 16
+    outs = run_ranks(fit, world, "gpt", kwargs, steps=4, batch_size=GLOBAL_BATCH,
+                     callbacks_extra=[ThroughputAndMemory(log_every_n_steps=2, peak_flops=1e9)])
+    # Rank 0 holds a quarter of the weights (half the blocks, each split in two) yet counts the model.
+    assert outs[0]["extra"][0]["flops_per_token"] == single
+    logged = outs[0]["logged"]
+    assert logged["perf/mfu"] == pytest.approx(logged["perf/tflops_per_device"] * 1e12 / 1e9, rel=1e-5)
+
+
+def test_compute_dtype_seen_by_throughput() -> None:
+    from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_llmpar.callbacks import peak_flops_per_device
+    from lightning_llmpar.precision import compute_dtype
+
+    assert compute_dtype(BF16Precision()) == torch.bfloat16
+    assert compute_dtype(FP16Precision()) == torch.float16
+    assert compute_dtype(FP8Precision()) == torch.float8_e4m3fn
+    assert compute_dtype(Precision()) == torch.float32
+    assert peak_flops_per_device(torch.device("cpu"), torch.float32) is None  # no table for CPUs
+
+
+def test_loss_scale_survives_checkpoint_resume(tmp_path: Any) -> None:
+    path = str(tmp_path / "fp16.ckpt")
+    fp16 = ("FP16Precision", {"init_scale": 1024.0})
+    first = run_ranks(fit, 2, "gpt", {"zero_stage": 3}, steps=4, batch_size=8, precision=fp16, save_to=path,
+                      callbacks_extra=[InjectInf(1, 1), StepRecorder()])
+    assert first[0]["extra"][1]["scales"][-1] == 512.0
+    resumed = run_ranks(fit, 2, "gpt", {"zero_stage": 3}, steps=6, batch_size=8, precision=fp16, ckpt_path=path,
+                        callbacks_extra=[StepRecorder()])
+    assert [o["extra"][0]["scales"] for o in resumed] == [[512.0, 512.0]] * 2
