@@ -44,3 +44,20 @@ def test_strategy_runs_on_one_gpu() -> None:
                       enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
     trainer.fit(make_gpt(), datamodule=TokenData(8))
     assert trainer.global_step == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_precision_benchmark_runs_bf16_and_fp8(tmp_path: Any) -> None:
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "precision.json"
+    cmd = [sys.executable, "-m", "benchmarks.precision_gpu_bench", "--steps", "6", "--shapes", "tiny", "--out", str(out)]
+    subprocess.run(cmd, check=True, timeout=1800)
+    result = json.loads(out.read_text())
+    runs = {r["precision"]: r for r in result["runs"]}
+    assert runs["fp8"]["converted_fp8_linears"] > 0 and runs["bf16"]["converted_fp8_linears"] == 0
+    assert result["summary"]["tiny"]["fp8_loss_rel_diff"] < 0.05
+    if runs["bf16"]["peak_tflops"] is not None:  # a GPU in Lightning's peak table
+        assert 0 < runs["bf16"]["mfu"] < 1
