@@ -1,8 +1,10 @@
 """lightning_llmpar: LLM-style parallelism (tensor, sequence, ZeRO/FSDP, hybrid) for any LightningModule."""
 
+from lightning_llmpar.activation_checkpoint import ActivationCheckpointing
 from lightning_llmpar.checkpoint import export_consolidated
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.parallelize import ParallelConfig, parallelize
+from lightning_llmpar.precision import BF16Precision, FP8Precision, FP16Precision
 from lightning_llmpar.registry import PRESETS, register_strategies
 from lightning_llmpar.strategy import LLMParallelStrategy
 
@@ -10,6 +12,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLMParallelStrategy",
+    "ActivationCheckpointing",
+    "BF16Precision",
+    "FP16Precision",
+    "FP8Precision",
     "ParallelLayout",
     "ParallelConfig",
     "parallelize",
