@@ -51,7 +51,7 @@ def parallelize(
         plan = infer_tp_plan(model, layout.tp, sequence_parallel=config.sequence_parallel, user_plan=config.tp_plan)
         apply_tensor_parallel(model, mesh["tp"], plan)
     if checkpointing is not None:
-        checkpointing.apply(model)
+        checkpointing.apply(model, mesh)
     if not (layout.dp > 1 or config.cpu_offload or config.always_shard):
         return []
     dp_mesh = mesh["dp_replicate", "dp_shard"]
