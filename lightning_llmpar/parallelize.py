@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_llmpar.activation_checkpoint import ActivationCheckpointing
+from lightning_llmpar.compression import CompressionConfig
 from lightning_llmpar.data_parallel import apply_data_parallel
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.structure import find_block_stack
@@ -29,6 +30,8 @@ class ParallelConfig:
     # Apply FSDP2 even with one data-parallel rank: its policy is what casts fp32 master weights to the
     # compute dtype (BF16 true).
     always_shard: bool = False
+    # Compresses the data-parallel gradient sync (see lightning_llmpar.compression_hooks).
+    gradient_compression: CompressionConfig | None = None
 
 
 def parallelize(
@@ -55,6 +58,10 @@ def parallelize(
     if not (layout.dp > 1 or config.cpu_offload or config.always_shard):
         return []
     dp_mesh = mesh["dp_replicate", "dp_shard"]
+    if config.gradient_compression is not None and layout.zero_stage == 0:
+        # FSDP2 on the size-1 dp_shard axis communicates nothing, so the compressed all-reduce hook
+        # (applied by the caller) is the only gradient sync; see compression_hooks.
+        dp_mesh = mesh["dp_shard"]
     kwargs = {"zero_stage": layout.zero_stage, "cpu_offload": config.cpu_offload, "mp_policy": config.mp_policy}
     if stage_roots:
         # One FSDP unit per pipeline stage, none per block: nested units under the zero-bubble

@@ -41,6 +41,8 @@ from typing_extensions import override
 from lightning_llmpar import checkpoint as ckpt
 from lightning_llmpar.activation_checkpoint import ActivationCheckpointing
 from lightning_llmpar.clip import clip_grad_norm_
+from lightning_llmpar.compression import CompressionConfig
+from lightning_llmpar.compression_hooks import GradientCompression, apply_gradient_compression
 from lightning_llmpar.data_parallel import no_gradient_sync
 from lightning_llmpar.layout import ZERO_STAGES, ParallelLayout
 from lightning_llmpar.parallelize import ParallelConfig, parallelize
@@ -54,6 +56,12 @@ __all__ = ["LLMParallelStrategy"]
 
 _START_METHOD = Literal["popen", "spawn", "fork", "forkserver"]
 _BACKEND = Literal["fsdp2", "deepspeed"]
+
+
+def _compression_config(value: Any, zero_stage: int, replicate: Any) -> CompressionConfig:
+    config = CompressionConfig.from_user(value)
+    config.check_layout(zero_stage, hybrid=zero_stage > 0 and replicate not in ("auto", 1))
+    return config
 
 
 def _positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
@@ -92,7 +100,9 @@ class LLMParallelStrategy(ParallelStrategy):
             contradictions are refused.
         offload_optimizer: DeepSpeed only: 'cpu' or an NVMe directory for optimizer state (zero_stage >= 1).
         offload_parameters: DeepSpeed only: 'cpu' or an NVMe directory for parameters (zero_stage 3).
-        gradient_compression: DeepSpeed only: 'onebit_adam' or 'zero_one_adam' where DeepSpeed ships them.
+        gradient_compression: compress the data-parallel gradient sync: 'fp16', 'bf16', 'int8', 'topk',
+            'powersgd', or a dict such as ``{"method": "powersgd", "rank": 4, "start_step": 10}`` (see
+            docs/compression.md). With sharding_backend='deepspeed': 'onebit_adam' or 'zero_one_adam'.
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
     """
 
@@ -116,7 +126,7 @@ class LLMParallelStrategy(ParallelStrategy):
         deepspeed_config: str | dict[str, Any] | None = None,
         offload_optimizer: str | None = None,
         offload_parameters: str | None = None,
-        gradient_compression: str | None = None,
+        gradient_compression: str | dict[str, Any] | None = None,
         start_method: _START_METHOD = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -160,13 +170,24 @@ class LLMParallelStrategy(ParallelStrategy):
             "offload_parameters": offload_parameters,
             "gradient_compression": gradient_compression,
         }
+        self._compression_config: CompressionConfig | None = None
+        self._compression: GradientCompression | None = None
         if sharding_backend == "fsdp2":
-            given = sorted(k for k, v in self._ds_options.items() if v is not None)
+            given = sorted(k for k, v in self._ds_options.items() if v is not None and k != "gradient_compression")
             if given:
                 raise ValueError(
                     f"{', '.join(given)} apply to sharding_backend='deepspeed' only. With the default 'fsdp2'"
-                    " backend use cpu_offload=True for offloading; gradient compression is not available on it."
+                    " backend use cpu_offload=True for offloading."
                 )
+            if gradient_compression is not None:
+                self._compression_config = _compression_config(
+                    gradient_compression, zero_stage, data_parallel_replicate
+                )
+        elif gradient_compression is not None and not isinstance(gradient_compression, str):
+            raise ValueError(
+                f"gradient_compression={gradient_compression!r} configures the 'fsdp2' backend's compressors; with"
+                " sharding_backend='deepspeed' use 'onebit_adam' or 'zero_one_adam'."
+            )
         if start_method not in get_args(_START_METHOD):
             raise ValueError(f"`start_method` must be one of {get_args(_START_METHOD)}, got {start_method!r}.")
         if tp_plan is not None and not isinstance(tp_plan, Mapping):
@@ -179,7 +200,8 @@ class LLMParallelStrategy(ParallelStrategy):
             "zero_stage": zero_stage,
         }
         self.parallel_config = ParallelConfig(
-            sequence_parallel=sequence_parallel, tp_plan=dict(tp_plan or {}), cpu_offload=cpu_offload
+            sequence_parallel=sequence_parallel, tp_plan=dict(tp_plan or {}), cpu_offload=cpu_offload,
+            gradient_compression=self._compression_config,
         )
         self._start_method = start_method
         self._process_group_backend = process_group_backend
@@ -314,6 +336,11 @@ class LLMParallelStrategy(ParallelStrategy):
                 module, self.layout, self.device_mesh, self.parallel_config, stage_roots, checkpointing
             )
             module._llmpar_parallelized = (self.layout, self._runner, self._fsdp_roots)
+            if self._compression_config is not None:
+                module._llmpar_compression = apply_gradient_compression(
+                    self._fsdp_roots, self.device_mesh, self.layout, self._compression_config
+                )
+        self._compression = getattr(module, "_llmpar_compression", None)
         _materialize_distributed_module(module, self.root_device)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
@@ -404,6 +431,16 @@ class LLMParallelStrategy(ParallelStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._compression is not None and self.lightning_module is not None:
+            # Logged through the LightningModule so every logger (CSV, W&B, ...) gets them; the values
+            # are already summed over ranks, identical everywhere.
+            for name, value in self._compression.step_metrics().items():
+                self.lightning_module.log(name, value, on_step=True, on_epoch=False, sync_dist=False)
+        return output
+
     @property
     def pipeline_runner(self) -> PipelineRunner | None:
         return self._runner
@@ -484,12 +521,17 @@ class LLMParallelStrategy(ParallelStrategy):
         """Write this rank's part of a checkpoint into ``folder`` (the sharding backend's format)."""
         assert self.model is not None
         ckpt.write_distributed(folder, self.model, self._raw_optimizers(), meta, is_rank_zero=self.is_global_zero)
+        if self._compression is not None:  # per-rank: every rank's residuals differ
+            self._compression.save(folder, self.global_rank)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None
-        return ckpt.load_checkpoint(path, self.model, self._raw_optimizers())
+        meta = ckpt.load_checkpoint(path, self.model, self._raw_optimizers())
+        if self._compression is not None:
+            self._compression.load(path, self.global_rank, self.root_device)
+        return meta
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
