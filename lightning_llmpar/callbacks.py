@@ -12,16 +12,11 @@ import torch.distributed as dist
 from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_llmpar.precision import compute_dtype
 from lightning_llmpar.structure import find_block_stack
 
 __all__ = ["ThroughputAndMemory", "model_flops_per_token", "peak_flops_per_device"]
-
-
-def _global_numel(param: torch.Tensor) -> int:
-    return param.numel() if not isinstance(param, DTensor) else int(torch.Size(param.shape).numel())
 
 
 def model_flops_per_token(module: nn.Module, seq_len: int, pp_group: Any = None) -> float:
@@ -32,7 +27,7 @@ def model_flops_per_token(module: nn.Module, seq_len: int, pp_group: Any = None)
     pipeline parallelism each stage's count is summed over ``pp_group``.
     """
     embedding = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    params = sum(_global_numel(p) for p in module.parameters() if id(p) not in embedding)
+    params = sum(p.numel() for p in module.parameters() if id(p) not in embedding)  # DTensor: global numel
     counts = torch.tensor([float(params)], dtype=torch.float64)
     if pp_group is not None:
         dist.all_reduce(counts, group=pp_group)

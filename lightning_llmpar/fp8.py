@@ -58,8 +58,11 @@ def convert_to_fp8(
             " the layers outside the block stack in higher precision. Use a model with more blocks, or"
             " keep_first_last=False."
         )
-    config = Float8LinearConfig.from_recipe_name(recipe)
-    if float8_all_gather:
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    # Float8 all-gather exists for tensorwise scaling only (FP8Precision refuses other pairings).
+    config = (
+        Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+        if float8_all_gather
+        else Float8LinearConfig.from_recipe_name(recipe)
+    )
     convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, fqn: fqn in chosen)
     return sorted(chosen)

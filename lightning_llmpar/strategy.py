@@ -170,7 +170,7 @@ class LLMParallelStrategy(ParallelStrategy):
             "offload_parameters": offload_parameters,
             "gradient_compression": gradient_compression,
         }
-        self._compression_config: CompressionConfig | None = None
+        compression: CompressionConfig | None = None
         self._compression: GradientCompression | None = None
         if sharding_backend == "fsdp2":
             given = sorted(k for k, v in self._ds_options.items() if v is not None and k != "gradient_compression")
@@ -180,9 +180,7 @@ class LLMParallelStrategy(ParallelStrategy):
                     " backend use cpu_offload=True for offloading."
                 )
             if gradient_compression is not None:
-                self._compression_config = _compression_config(
-                    gradient_compression, zero_stage, data_parallel_replicate
-                )
+                compression = _compression_config(gradient_compression, zero_stage, data_parallel_replicate)
         elif gradient_compression is not None and not isinstance(gradient_compression, str):
             raise ValueError(
                 f"gradient_compression={gradient_compression!r} configures the 'fsdp2' backend's compressors; with"
@@ -201,7 +199,7 @@ class LLMParallelStrategy(ParallelStrategy):
         }
         self.parallel_config = ParallelConfig(
             sequence_parallel=sequence_parallel, tp_plan=dict(tp_plan or {}), cpu_offload=cpu_offload,
-            gradient_compression=self._compression_config,
+            gradient_compression=compression,
         )
         self._start_method = start_method
         self._process_group_backend = process_group_backend
@@ -318,7 +316,7 @@ class LLMParallelStrategy(ParallelStrategy):
         done = getattr(module, "_llmpar_parallelized", None)
         if done is not None:
             # fit -> validate/test/predict on the same module: it is already split and sharded.
-            layout, self._runner, self._fsdp_roots = done
+            layout, self._runner, self._fsdp_roots, self._compression = done
             if layout != self.layout:
                 raise ValueError(
                     f"This LightningModule was already parallelized as {layout}; it cannot be re-parallelized as"
@@ -335,12 +333,10 @@ class LLMParallelStrategy(ParallelStrategy):
             self._fsdp_roots = parallelize(
                 module, self.layout, self.device_mesh, self.parallel_config, stage_roots, checkpointing
             )
-            module._llmpar_parallelized = (self.layout, self._runner, self._fsdp_roots)
-            if self._compression_config is not None:
-                module._llmpar_compression = apply_gradient_compression(
-                    self._fsdp_roots, self.device_mesh, self.layout, self._compression_config
-                )
-        self._compression = getattr(module, "_llmpar_compression", None)
+            compression = self.parallel_config.gradient_compression
+            if compression is not None:
+                self._compression = apply_gradient_compression(self._fsdp_roots, self.device_mesh, self.layout, compression)
+            module._llmpar_parallelized = (self.layout, self._runner, self._fsdp_roots, self._compression)
         _materialize_distributed_module(module, self.root_device)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
