@@ -48,7 +48,10 @@ def convert_to_fp8(
     skip: list[str] | None = None,
 ) -> list[str]:
     """Convert in place; returns the converted module names. Raises if nothing qualifies."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as err:
+        raise ImportError("FP8Precision needs torchao: pip install 'lightning_llmpar[fp8]'.") from err
 
     chosen = set(fp8_candidates(model, keep_first_last=keep_first_last, skip=skip))
     if not chosen:
