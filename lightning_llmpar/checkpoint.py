@@ -9,7 +9,7 @@ every rank has finished, so a crash never leaves a half-written checkpoint under
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from lightning_llmpar.tensor_parallel.packing import Packing, canonical_view, unwrap
 
 __all__ = ["save_checkpoint", "write_atomically", "write_distributed", "load_checkpoint", "is_checkpoint", "export_consolidated", "META_FILE"]
 
@@ -38,11 +41,68 @@ def is_checkpoint(path: str | Path) -> bool:
     return path.is_dir() and (path / META_FILE).is_file() and (path / ".metadata").is_file()
 
 
-def _tensor_state(model: nn.Module, optimizers: Sequence[Optimizer]) -> dict[str, Any]:
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+def _tensor_state(
+    model: nn.Module, optimizers: Sequence[Optimizer], aliases: Mapping[str, str], packings: Mapping[str, Packing]
+) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": _canonical(get_model_state_dict(model), packings, "")}
     for i, opt in enumerate(optimizers):
-        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt, options=_OPTIM_OPTIONS)
+        optim = get_optimizer_state_dict(model, opt, options=_OPTIM_OPTIONS)
+        state[f"optimizer_{i}"] = _rename_params(_canonical(optim, packings, "state."), aliases)
     return state
+
+
+def _canonical(state: dict[str, Any], packings: Mapping[str, Packing], prefix: str) -> dict[str, Any]:
+    """Fused parameters split per piece (and their optimizer state) as chunks of the model's own layout, so
+    the checkpoint does not depend on the tensor-parallel degree (see tensor_parallel.packing)."""
+    if not packings:
+        return state
+    out = dict(state)
+    for key, value in state.items():
+        if not isinstance(value, DTensor) or not key.startswith(prefix):
+            continue
+        name = key[len(prefix) :]
+        packing = packings.get(name) or next((p for n, p in packings.items() if name.startswith(n + ".")), None)
+        if packing is not None and value.dim() > packing.dim:
+            out[key] = canonical_view(value, packing)
+    return out
+
+
+def _unwrap(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: unwrap(v) for k, v in state.items()}
+
+
+def _rename_params(optim: dict[str, Any], renames: Mapping[str, str]) -> dict[str, Any]:
+    """Flattened optimizer state ('state.<param>.<key>', 'param_groups.<param>.<key>') under other names.
+
+    Copies of a tied weight on several pipeline stages store their (identical) state under the name
+    one process gives the weight, so a checkpoint loads into any layout; a copy whose target name is
+    already present is dropped.
+    """
+    if not renames:
+        return optim
+    out: dict[str, Any] = {}
+    for key, value in optim.items():
+        section, _, rest = key.partition(".")
+        for old, new in renames.items():
+            if rest.startswith(old + "."):
+                key = f"{section}.{new}.{rest[len(old) + 1:]}"
+                break
+        out.setdefault(key, value)
+    return out
+
+
+def _restore_copies(optim: dict[str, Any], aliases: Mapping[str, str], local: set[str]) -> dict[str, Any]:
+    """Inverse of ``_rename_params`` after loading: every local copy gets the state stored for its weight."""
+    out = dict(optim)
+    for alias, canonical in aliases.items():
+        for key in list(optim):
+            section, _, rest = key.partition(".")
+            if rest.startswith(canonical + "."):
+                value = optim[key]
+                out[f"{section}.{alias}.{rest[len(canonical) + 1:]}"] = value.clone() if isinstance(value, torch.Tensor) else value
+                if canonical not in local:
+                    out.pop(key, None)
+    return out
 
 
 def write_atomically(
@@ -90,26 +150,42 @@ def save_checkpoint(
 
 
 def write_distributed(
-    folder: Path, model: nn.Module, optimizers: Sequence[Optimizer], meta: dict[str, Any], *, is_rank_zero: bool
+    folder: Path,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    meta: dict[str, Any],
+    *,
+    is_rank_zero: bool,
+    aliases: Mapping[str, str] | None = None,
+    packings: Mapping[str, Packing] | None = None,
 ) -> None:
     """This rank's DCP shards, plus ``meta`` from rank 0, into ``folder``."""
-    dcp.save(_tensor_state(model, optimizers), checkpoint_id=folder)
+    dcp.save(_tensor_state(model, optimizers, aliases or {}, packings or {}), checkpoint_id=folder)
     if is_rank_zero:
         torch.save(meta, folder / META_FILE)
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizers: Sequence[Optimizer]) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    aliases: Mapping[str, str] | None = None,
+    packings: Mapping[str, Packing] | None = None,
+) -> dict[str, Any]:
     """Load shards into ``model``/``optimizers`` in whatever layout they are now; return the meta dict."""
     path = Path(path)
     if not is_checkpoint(path):
         raise FileNotFoundError(
             f"{path} is not a complete llmpar checkpoint (a folder with '.metadata' and '{META_FILE}')."
         )
-    state = _tensor_state(model, optimizers)
+    aliases = aliases or {}
+    state = _tensor_state(model, optimizers, aliases, packings or {})
     dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, _unwrap(state["model"]))
+    local = {name for name, _ in model.named_parameters()}
     for i, opt in enumerate(optimizers):
-        set_optimizer_state_dict(model, opt, state[f"optimizer_{i}"], options=_OPTIM_OPTIONS)
+        optim = _restore_copies(_unwrap(state[f"optimizer_{i}"]), aliases, local)
+        set_optimizer_state_dict(model, opt, optim, options=_OPTIM_OPTIONS)
     return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -14,9 +15,10 @@ from lightning_llmpar.compression import CompressionConfig
 from lightning_llmpar.data_parallel import apply_data_parallel
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.structure import find_block_stack
-from lightning_llmpar.tensor_parallel import apply_tensor_parallel, infer_tp_plan
+from lightning_llmpar.tensor_parallel import Packing, apply_tensor_parallel, infer_tp_plan
+from lightning_llmpar.ties import find_tied_weights, retie
 
-__all__ = ["ParallelConfig", "parallelize"]
+__all__ = ["ParallelConfig", "Parallelized", "parallelize"]
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,7 @@ class ParallelConfig:
     """Per-technique options that are not degrees (those live in :class:`ParallelLayout`)."""
 
     sequence_parallel: bool = True
-    tp_plan: Mapping[str, str] = field(default_factory=dict)
+    tp_plan: Mapping[str, Any] = field(default_factory=dict)
     cpu_offload: bool = False
     mp_policy: MixedPrecisionPolicy | None = None
     # Apply FSDP2 even with one data-parallel rank: its policy is what casts fp32 master weights to the
@@ -34,6 +36,15 @@ class ParallelConfig:
     gradient_compression: CompressionConfig | None = None
 
 
+@dataclass
+class Parallelized:
+    """What parallelization left behind that later steps need: the FSDP roots (gradient sync, compression)
+    and the fused parameters split per piece (checkpoints translate them back, see tensor_parallel.packing)."""
+
+    fsdp_roots: list[nn.Module] = field(default_factory=list)
+    packings: dict[str, Packing] = field(default_factory=dict)
+
+
 def parallelize(
     model: nn.Module,
     layout: ParallelLayout,
@@ -41,22 +52,26 @@ def parallelize(
     config: ParallelConfig,
     stage_roots: Sequence[nn.Module] = (),
     checkpointing: ActivationCheckpointing | None = None,
-) -> list[nn.Module]:
+) -> Parallelized:
     """Apply tensor parallelism, then data parallelism (ZeRO via FSDP2), to ``model`` in place.
 
     Order matters. The pipeline split (done before this, see pipeline_parallel.split_model) comes
     first so each rank only shards what it keeps. Tensor parallelism comes next because FSDP2 shards
     the DTensors TP produced along the data-parallel axis (giving dp x tp parameters). Activation
     checkpointing belongs between the two so recomputation replays the sharded ops, and FSDP wraps
-    last so its hooks see the final modules. Returns the modules that became FSDP roots.
+    last so its hooks see the final modules.
     """
+    done = Parallelized()
     if layout.tp > 1:
+        tied = find_tied_weights(model)
         plan = infer_tp_plan(model, layout.tp, sequence_parallel=config.sequence_parallel, user_plan=config.tp_plan)
         apply_tensor_parallel(model, mesh["tp"], plan)
+        retie(model, tied)  # sharding gave each user of a tied weight its own parameter
+        done.packings = plan.packings
     if checkpointing is not None:
         checkpointing.apply(model, mesh)
     if not (layout.dp > 1 or config.cpu_offload or config.always_shard):
-        return []
+        return done
     dp_mesh = mesh["dp_replicate", "dp_shard"]
     if config.gradient_compression is not None and layout.zero_stage == 0:
         # FSDP2 on the size-1 dp_shard axis communicates nothing, so the compressed all-reduce hook
@@ -68,6 +83,8 @@ def parallelize(
         # schedules give wrong gradients, one unit per stage is exact under every schedule.
         for root in stage_roots:
             apply_data_parallel(root, dp_mesh, blocks=None, **kwargs)
-        return list(stage_roots)
+        done.fsdp_roots = list(stage_roots)
+        return done
     apply_data_parallel(model, dp_mesh, blocks=find_block_stack(model), **kwargs)
-    return [model]
+    done.fsdp_roots = [model]
+    return done

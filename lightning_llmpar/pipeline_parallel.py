@@ -11,7 +11,7 @@ names never change, so checkpoints move between layouts.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from lightning_llmpar.structure import BlockStack, num_params
+from lightning_llmpar.ties import TiedWeight, split_copies
 
 __all__ = [
     "SCHEDULES",
@@ -35,6 +36,7 @@ __all__ = [
     "StageModule",
     "build_schedule",
     "replace_module",
+    "stage_finder",
 ]
 
 # Name -> stages per rank it needs (None: any number >= 2).
@@ -148,19 +150,36 @@ class _StandIn(nn.Module):
     never reached, because the stage ends at its last block.
     """
 
-    def __init__(self, original: nn.Module, name: str, before_stack: bool) -> None:
+    def __init__(self, original: nn.Module, name: str, before_stack: bool, blocks: nn.ModuleList) -> None:
         super().__init__()
         self.name, self.before_stack = name, before_stack
         self.num_embeddings = getattr(original, "num_embeddings", None)
         self._meta = [copy.deepcopy(original).to("meta")] if before_stack else []  # list: not a submodule
+        self._blocks = [blocks]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.before_stack:
-            raise RuntimeError(f"Module '{self.name}' lives on another pipeline stage; it cannot run here.")
+        entered = getattr(self._blocks[0], "_llmpar_entered", False)
+        if not self.before_stack or entered:
+            where = ("first", "before") if self.before_stack else ("last", "after")
+            raise ValueError(
+                f"Pipeline split: module '{self.name}' was placed on the {where[0]} stage as running {where[1]} the"
+                f" block stack, but the model calls it {'after' if entered else 'before'} its blocks (here, on a"
+                " stage that does not hold it). See docs/model-convention.md for what the split needs."
+            )
         device = next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
         to_meta = lambda t: t.to("meta") if isinstance(t, Tensor) else t  # noqa: E731
         out = self._meta[0](*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
         return torch.zeros(out.shape, dtype=out.dtype, device=device)
+
+
+class _PassThrough(nn.Module):
+    """Stands for a block before the current stage's first block: returns its input unchanged."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+_PASS = _PassThrough()
 
 
 class _StageBlocks(nn.ModuleList):
@@ -172,10 +191,16 @@ class _StageBlocks(nn.ModuleList):
 
     _llmpar_total: int
     _llmpar_window: tuple[int, ...] | None
+    _llmpar_entered: bool
 
     def _active(self, indices: Sequence[int]) -> list[nn.Module]:
         window = self._llmpar_window
-        return [self._modules[str(i)] for i in indices if str(i) in self._modules and (window is None or i in window)]
+        if window is None:
+            return [self._modules[str(i)] for i in indices if str(i) in self._modules]
+        # Blocks before the stage's window run as pass-throughs (their output is replaced by the received
+        # activation), so a forward that pairs blocks with per-layer lists by position (enumerate,
+        # zip(layer_types, layers)) keeps every block at its own index. Nothing after the window runs.
+        return [self._modules[str(i)] if i in window else _PASS for i in indices if i < window[-1] + 1]
 
     def __iter__(self):  # type: ignore[override]
         return iter(self._active(range(self._llmpar_total)))
@@ -189,8 +214,36 @@ class _StageBlocks(nn.ModuleList):
         return self._modules[str(idx if idx >= 0 else self._llmpar_total + idx)]
 
 
+# Names of modules that run after the block stack even when registered before it (OPT's decoder
+# registers final_layer_norm before its layers).
+_AFTER_NAMES = {"lm_head", "ln_f", "norm_f", "final_layer_norm", "final_layernorm", "final_norm", "project_out",
+                "embed_out", "output", "head"}
+
+
+def _shipped_order(model: nn.Module, stack: BlockStack) -> tuple[set[str], set[str]]:
+    """(before, after) the stack from transformers' ``base_model_pp_plan`` (modules in execution order)."""
+    before: set[str] = set()
+    after: set[str] = set()
+    for prefix, module in model.named_modules():
+        plan = getattr(getattr(module, "config", None), "base_model_pp_plan", None)
+        if not plan or getattr(module, "base_model", None) is not module:
+            continue
+        names = [f"{prefix}.{key}" if prefix else key for key in plan]
+        if stack.prefix in names:
+            at = names.index(stack.prefix)
+            before.update(names[:at])
+            after.update(names[at + 1 :])
+    return before, after
+
+
 def _outside_owners(model: nn.Module, stack: BlockStack) -> tuple[list[str], list[str]]:
-    """Modules outside the stack that hold parameters: (registered before it, registered after it)."""
+    """Modules outside the stack that hold parameters: (run before it, run after it).
+
+    Registration order decides, unless the model says otherwise: transformers' ``base_model_pp_plan``, or a
+    name that only a final norm or output head has. A wrong guess is caught at the first step (a stand-in
+    called on the wrong side of the blocks raises).
+    """
+    shipped_before, shipped_after = _shipped_order(model, stack)
     before, after, seen_stack = [], [], False
     for name, module in model.named_modules():
         if name == stack.prefix:
@@ -200,7 +253,11 @@ def _outside_owners(model: nn.Module, stack: BlockStack) -> tuple[list[str], lis
             continue
         if any(name.startswith(owner + ".") for owner in before + after):
             continue  # moves with its parent
-        (after if seen_stack else before).append(name)
+        leaf = name.rsplit(".", 1)[-1].lower()
+        runs_after = seen_stack and name not in shipped_before
+        if name in shipped_after or leaf in _AFTER_NAMES or leaf.startswith("final"):
+            runs_after = True
+        (after if runs_after else before).append(name)
     return before, after
 
 
@@ -224,18 +281,38 @@ class StageModule(nn.Module):
         return self._runner[0].run_stage(self.index, batch, incoming)
 
 
+def stage_finder(model: nn.Module, stack: BlockStack, layout: StageLayout) -> Callable[[str], int]:
+    """Maps a parameter name of the unsplit model to the stage that holds it."""
+    before, after = _outside_owners(model, stack)
+    block_stage = {i: s for s, (start, stop) in enumerate(layout.block_ranges) for i in range(start, stop)}
+
+    def stage_of(name: str) -> int:
+        module = name.rpartition(".")[0]
+        if stack.prefix and module.startswith(stack.prefix + "."):
+            return block_stage[int(module[len(stack.prefix) + 1 :].split(".", 1)[0])]
+        if any(module == o or module.startswith(o + ".") for o in before):
+            return 0
+        if any(module == o or module.startswith(o + ".") for o in after):
+            return layout.num_stages - 1
+        raise ValueError(f"Parameter '{name}' is neither in the block stack nor in a module before or after it.")
+
+    return stage_of
+
+
 def split_model(
-    model: nn.Module, stack: BlockStack, layout: StageLayout, pp_rank: int
+    model: nn.Module, stack: BlockStack, layout: StageLayout, pp_rank: int, tied: Sequence[TiedWeight] = ()
 ) -> tuple[dict[int, dict[str, nn.Module]], dict[str, tuple[nn.Module, nn.Module]]]:
     """Remove from ``model`` what other pipeline ranks hold; return this rank's parts per stage.
 
     Also returns, for the modules before the stack that this rank keeps, a (real, stand-in) pair:
     the rank's later stages must run the stand-in, or they would use (and, under ZeRO-3, find
-    resharded) the first stage's embedding.
+    resharded) the first stage's embedding. Tied weights used by several of this rank's stages get a
+    copy per stage (see lightning_llmpar.ties).
     """
     before, after = _outside_owners(model, stack)
     local = layout.stages_of(pp_rank)
     last = layout.num_stages - 1
+    split_copies(model, tied, stage_finder(model, stack, layout), local)
     parts: dict[int, dict[str, nn.Module]] = {s: {} for s in local}
     blocks = stack.blocks
     for s in local:
@@ -246,14 +323,14 @@ def split_model(
     for name in before:
         if 0 in local:
             parts[0][name] = real = model.get_submodule(name)
-            swaps[name] = (real, _StandIn(real, name, before_stack=True))
+            swaps[name] = (real, _StandIn(real, name, True, blocks))
         else:
-            replace_module(model, name, _StandIn(model.get_submodule(name), name, before_stack=True))
+            replace_module(model, name, _StandIn(model.get_submodule(name), name, True, blocks))
     for name in after:
         if last in local:
             parts[last][name] = model.get_submodule(name)
         else:
-            replace_module(model, name, _StandIn(model.get_submodule(name), name, before_stack=False))
+            replace_module(model, name, _StandIn(model.get_submodule(name), name, False, blocks))
     keep = {str(i) for s in local for i in range(*layout.block_ranges[s])}
     total = len(blocks)
     for key in list(blocks._modules):
@@ -262,6 +339,7 @@ def split_model(
     blocks.__class__ = _StageBlocks
     blocks._llmpar_total = total
     blocks._llmpar_window = None
+    blocks._llmpar_entered = False
     return parts, swaps
 
 

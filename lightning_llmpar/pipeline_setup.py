@@ -15,9 +15,11 @@ from lightning_llmpar.pipeline_parallel import (
     plan_stages,
     split_model,
     stage_costs,
+    stage_finder,
 )
 from lightning_llmpar.pipeline_step import PipelineRunner
 from lightning_llmpar.structure import find_block_stack
+from lightning_llmpar.ties import TiedCopies, find_tied_weights
 
 __all__ = ["PipelineConfig", "build_pipeline", "ZERO_BUBBLE_SCHEDULES"]
 
@@ -83,8 +85,9 @@ class PipelineConfig:
         return cls(degree, schedule, microbatches, virtual_stages, tuple(split_points) if split_points else None)
 
 
-def build_pipeline(module: LightningModule, config: PipelineConfig, pp_mesh: DeviceMesh, device: torch.device) -> PipelineRunner:
+def build_pipeline(module: LightningModule, config: PipelineConfig, mesh: DeviceMesh, device: torch.device) -> PipelineRunner:
     """Split ``module`` into this rank's stages (removing the rest) and return the runner that steps them."""
+    pp_mesh = mesh["pp"]
     stack = find_block_stack(module)
     if stack is None:
         raise ValueError(
@@ -95,7 +98,10 @@ def build_pipeline(module: LightningModule, config: PipelineConfig, pp_mesh: Dev
     num_stages = config.degree * config.virtual_stages
     ranges = plan_stages(costs, num_stages, first_extra=first, last_extra=last, split_points=config.split_points)
     layout = StageLayout(config.degree, config.virtual_stages, config.schedule in V_SCHEDULES, ranges)
-    parts, swaps = split_model(module, stack, layout, pp_mesh.get_local_rank())
+    tied = find_tied_weights(module)
+    stage_of = stage_finder(module, stack, layout)
+    parts, swaps = split_model(module, stack, layout, pp_mesh.get_local_rank(), tied)
+    ties = TiedCopies.build(module, tied, stage_of, layout.rank_of, mesh)
     return PipelineRunner(
-        module, stack.blocks, layout, parts, swaps, pp_mesh, device, config.schedule, config.microbatches
+        module, stack.blocks, layout, parts, swaps, pp_mesh, device, config.schedule, config.microbatches, ties
     )

@@ -31,6 +31,7 @@ from lightning_llmpar.pipeline_parallel import (
     replace_module,
 )
 from lightning_llmpar.structure import first_arg_name
+from lightning_llmpar.ties import TiedCopies
 
 __all__ = ["PipelineRunner", "bubble_fraction"]
 
@@ -47,8 +48,10 @@ class PipelineRunner:
         device: torch.device,
         schedule: str,
         microbatches: int,
+        ties: TiedCopies | None = None,
     ) -> None:
         self.module, self.blocks, self.layout, self._swaps = module, blocks, layout, swaps
+        self.ties = ties
         self.pp_group = pp_mesh.get_group()
         self.pp_rank = pp_mesh.get_local_rank()
         self.device, self.schedule_name, self.microbatches = device, schedule, microbatches
@@ -136,20 +139,23 @@ class PipelineRunner:
     def run_stage(self, stage: int, batch: Any, incoming: Tensor | None) -> Tensor:
         start, stop = self.layout.block_ranges[stage]
         self.blocks._llmpar_window = tuple(range(start, stop))
+        self.blocks._llmpar_entered = False
         if stage != 0:
             for name, (_, stand_in) in self._swaps.items():
                 replace_module(self.module, name, stand_in)
-        handles = []
-        if incoming is not None:
-            first_block = self.blocks[start]
-            name = first_arg_name(first_block)
+        first_block = self.blocks[start]
+        name = first_arg_name(first_block)
 
-            def substitute(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-                if args:
-                    return (incoming, *args[1:]), kwargs
-                return args, {**kwargs, name: incoming}
+        def enter(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            # A non-first stage takes the activation it received as the input of its first block.
+            self.blocks._llmpar_entered = True
+            if incoming is None:
+                return args, kwargs
+            if args:
+                return (incoming, *args[1:]), kwargs
+            return args, {**kwargs, name: incoming}
 
-            handles.append(first_block.register_forward_pre_hook(substitute, with_kwargs=True))
+        handles = [first_block.register_forward_pre_hook(enter, with_kwargs=True)]
         if stage != self.layout.num_stages - 1:
 
             def boundary(_m: nn.Module, _args: Any, output: Any) -> None:
@@ -226,6 +232,8 @@ class PipelineRunner:
             if training:
                 self._stash_grads()
                 schedule.step(target=placeholder, return_outputs=False, **{BATCH_KWARG: batch})
+                if self.ties is not None:
+                    self.ties.sum_grads()  # copies of a tied weight on several stages: one gradient
                 self._take_new_grads()
             else:
                 schedule.eval(target=placeholder, **{BATCH_KWARG: batch})

@@ -45,9 +45,10 @@ from lightning_llmpar.compression import CompressionConfig
 from lightning_llmpar.compression_hooks import GradientCompression, apply_gradient_compression
 from lightning_llmpar.data_parallel import no_gradient_sync
 from lightning_llmpar.layout import ZERO_STAGES, ParallelLayout
-from lightning_llmpar.parallelize import ParallelConfig, parallelize
+from lightning_llmpar.parallelize import ParallelConfig, Parallelized, parallelize
 from lightning_llmpar.pipeline_setup import PipelineConfig, build_pipeline
 from lightning_llmpar.pipeline_step import PipelineRunner
+from lightning_llmpar.tensor_parallel import Packing
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -206,7 +207,7 @@ class LLMParallelStrategy(ParallelStrategy):
         self._timeout = timeout
         self._layout: ParallelLayout | None = None
         self._runner: PipelineRunner | None = None
-        self._fsdp_roots: list[torch.nn.Module] = []
+        self._parallelized = Parallelized()
         if sharding_backend == "deepspeed":
             # One strategy for users and for LightningCLI (whose signature it reads from __init__); the
             # DeepSpeed engine hooks live in a subclass this instance becomes.
@@ -316,7 +317,7 @@ class LLMParallelStrategy(ParallelStrategy):
         done = getattr(module, "_llmpar_parallelized", None)
         if done is not None:
             # fit -> validate/test/predict on the same module: it is already split and sharded.
-            layout, self._runner, self._fsdp_roots, self._compression = done
+            layout, self._runner, self._parallelized, self._compression = done
             if layout != self.layout:
                 raise ValueError(
                     f"This LightningModule was already parallelized as {layout}; it cannot be re-parallelized as"
@@ -326,18 +327,22 @@ class LLMParallelStrategy(ParallelStrategy):
             stage_roots: list[torch.nn.Module] = []
             self._apply_precision_plan(module)
             if self.layout.pp > 1:
-                self._runner = build_pipeline(module, self.pipeline, self.device_mesh["pp"], self.root_device)
+                self._runner = build_pipeline(module, self.pipeline, self.device_mesh, self.root_device)
                 stage_roots = list(self._runner.stage_modules.values())
                 self._runner.scale_loss = getattr(self.precision_plugin, "scale_loss", None)
             checkpointing = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)
-            self._fsdp_roots = parallelize(
+            self._parallelized = parallelize(
                 module, self.layout, self.device_mesh, self.parallel_config, stage_roots, checkpointing
             )
             compression = self.parallel_config.gradient_compression
             if compression is not None:
-                self._compression = apply_gradient_compression(self._fsdp_roots, self.device_mesh, self.layout, compression)
-            module._llmpar_parallelized = (self.layout, self._runner, self._fsdp_roots, self._compression)
+                self._compression = apply_gradient_compression(
+                    self._parallelized.fsdp_roots, self.device_mesh, self.layout, compression
+                )
+            module._llmpar_parallelized = (self.layout, self._runner, self._parallelized, self._compression)
         _materialize_distributed_module(module, self.root_device)
+        if self._runner is not None and self._runner.ties is not None:
+            self._runner.ties.make_equal()
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
         self.barrier()
@@ -372,9 +377,13 @@ class LLMParallelStrategy(ParallelStrategy):
         precision = self.precision_plugin
 
         stage_group = self.device_mesh["pp"].get_group() if self.layout.pp > 1 else None
+        ties = self._runner.ties if self._runner is not None else None
+        device = self.root_device
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: float | int) -> None:
-            clip_grad_norm_(list(precision.main_params(optimizer)), float(clip_val), stage_group=stage_group)
+            skip = ties.duplicates() if ties is not None else ()
+            params = list(precision.main_params(optimizer))
+            clip_grad_norm_(params, float(clip_val), stage_group=stage_group, skip=skip, device=device)
 
         precision.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
@@ -441,10 +450,20 @@ class LLMParallelStrategy(ParallelStrategy):
     def pipeline_runner(self) -> PipelineRunner | None:
         return self._runner
 
+    @property
+    def packings(self) -> dict[str, Packing]:
+        """Fused parameters split per piece under tensor parallelism: name -> layout (see tensor_parallel.packing)."""
+        return dict(self._parallelized.packings)
+
+    @property
+    def tied_aliases(self) -> dict[str, str]:
+        """Copies of tied weights on pipeline stages: local name -> the name one process gives the weight."""
+        return self._aliases()
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        with no_gradient_sync(self._fsdp_roots):
+        with no_gradient_sync(self._parallelized.fsdp_roots):
             yield None
 
     # ----------------------------------------------------------------- collectives
@@ -498,6 +517,10 @@ class LLMParallelStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # loaded in `load_checkpoint`
 
+    def _aliases(self) -> dict[str, str]:
+        ties = self._runner.ties if self._runner is not None else None
+        return ties.aliases() if ties is not None else {}
+
     def _raw_optimizers(self) -> list[Optimizer]:
         return [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
 
@@ -516,7 +539,10 @@ class LLMParallelStrategy(ParallelStrategy):
     def _write_checkpoint(self, folder: Path, meta: dict[str, Any]) -> None:
         """Write this rank's part of a checkpoint into ``folder`` (the sharding backend's format)."""
         assert self.model is not None
-        ckpt.write_distributed(folder, self.model, self._raw_optimizers(), meta, is_rank_zero=self.is_global_zero)
+        ckpt.write_distributed(
+            folder, self.model, self._raw_optimizers(), meta, is_rank_zero=self.is_global_zero, aliases=self._aliases(),
+            packings=self._parallelized.packings,
+        )
         if self._compression is not None:  # per-rank: every rank's residuals differ
             self._compression.save(folder, self.global_rank)
 
@@ -524,7 +550,9 @@ class LLMParallelStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None
-        meta = ckpt.load_checkpoint(path, self.model, self._raw_optimizers())
+        meta = ckpt.load_checkpoint(
+            path, self.model, self._raw_optimizers(), aliases=self._aliases(), packings=self._parallelized.packings
+        )
         if self._compression is not None:
             self._compression.load(path, self.global_rank, self.root_device)
         return meta

@@ -98,8 +98,14 @@ class _Stack(nn.Module):
 
 
 def test_fused_qkv_is_named_with_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"Module 'blocks.0.attn.qkv' fuses several projections.*tp_plan=\{'blocks.0.attn.qkv': 'colwise'\}"):
-        infer_tp_plan(_Stack(fused=True), 2)
+    # An unknown attention class: the layout of its fused projection is asked for, with both ways to say it.
+    with pytest.raises(ValueError, match=r"Module 'blocks.0.attn.qkv' fuses q, k and v.*'style': 'colwise', 'sizes': \[q_rows, k_rows, v_rows\].*tp_plan=\{'blocks.0.attn.qkv': 'colwise'\}"):
+        infer_tp_plan(_Stack(fused=True), 2, sequence_parallel=False, user_plan={"blocks.*.router": "replicate"})
+    plan = infer_tp_plan(_Stack(fused=True), 2, sequence_parallel=False,
+                         user_plan={"blocks.*.router": "replicate", "blocks.*.attn.qkv": {"sizes": [16, 16, 16]}})
+    assert plan.packings["blocks.0.attn.qkv.weight"].sizes == (16, 16, 16)
+    with pytest.raises(ValueError, match=r"sizes \[16, 16\] add up to 32, but the weight has 48 along dim 0"):
+        infer_tp_plan(_Stack(fused=True), 2, user_plan={"blocks.*.attn.qkv": {"sizes": [16, 16]}})
 
 
 def test_unknown_linear_is_named_with_the_fix() -> None:
@@ -109,21 +115,29 @@ def test_unknown_linear_is_named_with_the_fix() -> None:
 
 def test_explicit_plan_covers_what_inference_cannot() -> None:
     plan = infer_tp_plan(_Stack(fused=False), 2, sequence_parallel=False, user_plan={"blocks.*.router": "replicate"})
-    assert plan["blocks.0.router"] is None
+    assert plan.styles["blocks.0.router"] is None
     with pytest.raises(ValueError, match=r"tp_plan\['blocks.\*.router'\] = 'diagonal' is not a known style"):
         infer_tp_plan(_Stack(fused=False), 2, user_plan={"blocks.*.router": "diagonal"})
 
 
-def test_whole_parameters_on_sharded_activations_are_refused() -> None:
-    # With sequence parallelism a replicated layer sees only this rank's tokens: its gradient is partial.
-    with pytest.raises(ValueError, match=r"Module 'blocks.0.router' holds parameters.*sequence_parallel=True"):
-        infer_tp_plan(_Stack(fused=False), 2, user_plan={"blocks.*.router": "replicate"})
-    # A per-head norm inside attention sees only this rank's heads, with or without sequence parallelism.
+class _HeadScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+
+def test_whole_parameters_on_sharded_activations() -> None:
+    # With sequence parallelism a replicated layer outside attention/MLP would see only this rank's tokens:
+    # sequence parallelism is turned off for the model, with a note saying why.
+    plan = infer_tp_plan(_Stack(fused=False), 2, user_plan={"blocks.*.router": "replicate"})
+    assert not plan.sequence_parallel
+    assert "'blocks.0.router'" in plan.notes[0] and "sequence parallelism turned off" in plan.notes[0]
+    # A parameter inside attention that is neither a projection nor a norm sees only this rank's heads.
     model = _gpt()
     for layer in model.layers:
-        layer.attn.q_norm = nn.LayerNorm(8)
+        layer.attn.extra = _HeadScale()
     for seq in (True, False):
-        with pytest.raises(ValueError, match=r"Module 'layers.0.attn.q_norm' holds parameters inside the tensor-parallel region 'layers.0.attn'"):
+        with pytest.raises(ValueError, match=r"Module 'layers.0.attn.extra' holds parameters inside the tensor-parallel region 'layers.0.attn'"):
             infer_tp_plan(model, 2, sequence_parallel=seq)
 
 
@@ -136,7 +150,7 @@ def test_plan_order_does_not_depend_on_the_hash_seed() -> None:
 
     code = (
         "from tests.workloads import make_gpt; from lightning_llmpar.tensor_parallel import infer_tp_plan;"
-        "print(list(infer_tp_plan(make_gpt(), 2)))"
+        "print(list(infer_tp_plan(make_gpt(), 2).styles))"
     )
     orders = {
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -151,11 +165,14 @@ def test_model_without_block_stack() -> None:
         infer_tp_plan(nn.Sequential(nn.Linear(4, 4)), 2)
 
 
-def test_tied_embedding_and_head_refused() -> None:
+def test_tied_embedding_and_head_split_alike_or_refused() -> None:
     model = _gpt()
     model.lm_head.weight = model.tok_emb.weight
-    with pytest.raises(ValueError, match=r"tied to 'tok_emb'.*tie_word_embeddings=False.*'tok_emb': 'replicate', 'lm_head': 'replicate'"):
-        infer_tp_plan(model, 2)
+    plan = infer_tp_plan(model, 2)  # both split by vocabulary: one sharded weight serves both
+    assert plan.styles["tok_emb"] is not None and plan.styles["lm_head"] is not None
+    # An explicit plan that keeps only one side whole would untie them: refused before anything is split.
+    with pytest.raises(ValueError, match=r"'lm_head.weight' is tied to 'tok_emb.weight'.*untie them.*'tok_emb': 'replicate', 'lm_head': 'replicate'"):
+        infer_tp_plan(model, 2, user_plan={"lm_head": "replicate"})
 
 
 def test_registered_names() -> None:

@@ -45,13 +45,13 @@ def make_gpt() -> LightningModule:
 class HFLlamaModule(LightningModule):
     """A transformers Llama built small from a config (random weights), as a user would wrap it."""
 
-    def __init__(self) -> None:
+    def __init__(self, tie: bool = False) -> None:
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                          tie_word_embeddings=False, attn_implementation="sdpa")
+                          tie_word_embeddings=tie, attn_implementation="sdpa")
         self.model = LlamaForCausalLM(cfg)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -65,7 +65,7 @@ class HFLlamaModule(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-MODELS = {"gpt": make_gpt, "llama": HFLlamaModule}
+MODELS = {"gpt": make_gpt, "llama": HFLlamaModule, "llama_tied": lambda: HFLlamaModule(tie=True)}
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

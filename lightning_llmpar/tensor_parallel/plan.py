@@ -1,125 +1,107 @@
-"""Megatron-style tensor parallelism for models we did not write: infer a DTensor plan, then apply it.
+"""Infer a Megatron-style tensor-parallel plan for a model we did not write.
 
-The plan maps qualified module names to ``torch.distributed.tensor.parallel`` styles: q/k/v and MLP
-up/gate projections are split by output features (column-wise), output and down projections by input
-features (row-wise), so each block needs one all-reduce (or one all-gather + reduce-scatter pair with
-sequence parallelism) after attention and one after the MLP.
+Inside each block, a *region* is a module whose children split by columns going in and by rows coming
+out (attention: q/k/v then the output projection; MLP: up/gate then down; MoE: experts split along their
+FFN width). Between a region's column and row splits each rank holds only its heads or features, so one
+all-reduce per region (a reduce-scatter under sequence parallelism) restores the residual stream.
+Roles come from an explicit ``tp_plan`` first, then from the plan the model ships (transformers'
+``base_model_tp_plan``), then from projection names (``families``). Whatever holds parameters and fits
+no role is refused with the module's name and the fix, because a whole parameter inside a region would
+get only this rank's part of its gradient.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
+
+from lightning_llmpar.structure import find_block_stack
+from lightning_llmpar.tensor_parallel import families as fam
+from lightning_llmpar.tensor_parallel.packing import Packing
+from lightning_llmpar.tensor_parallel.shipped import shipped_roles
+from lightning_llmpar.tensor_parallel.styles import (
+    TOKEN,
+    GatherFirstOutput,
+    HeadSlice,
+    PrepareFirstInput,
+    ReplicatedOnShards,
+    ShardedNorm,
+    SplitExperts,
+    SplitLinear,
+    is_conv1d,
+    weight_placement,
 )
 
-from lightning_llmpar.structure import find_block_stack, first_arg_name
+__all__ = ["TPPlan", "TP_STYLES", "infer_tp_plan", "PlanEntry"]
 
-__all__ = ["TP_STYLES", "infer_tp_plan", "apply_tensor_parallel", "HEAD_COUNT_ATTRS"]
-
-_Q = {"q_proj", "q", "wq", "query", "q_lin", "to_q"}
-_K = {"k_proj", "k", "wk", "key", "k_lin", "to_k"}
-_V = {"v_proj", "v", "wv", "value", "v_lin", "to_v"}
-_OUT = {"o_proj", "out_proj", "wo", "o", "proj", "c_proj", "dense", "out_lin", "to_out"}
-_FUSED_QKV = {"qkv", "qkv_proj", "c_attn", "wqkv", "query_key_value", "in_proj", "w_pack"}
-_UP = {"up_proj", "gate_proj", "w1", "w3", "fc1", "c_fc", "fc_in", "gate", "up", "dense_h_to_4h", "lin1"}
-_DOWN = {"down_proj", "w2", "fc2", "fc_out", "c_proj", "down", "dense_4h_to_h", "lin2"}
-_FUSED_UP = {"gate_up_proj", "w13", "fc1_gate"}
-
-# Attributes an attention module may read to reshape into heads; they hold per-rank counts after TP.
-HEAD_COUNT_ATTRS = (
-    "num_heads", "n_heads", "n_head", "num_attention_heads", "n_local_heads",
-    "num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "n_local_kv_heads",
-)
-# Width attributes (heads x head_dim) that some attention modules use to reshape their output.
-_WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size", "inner_dim", "n_embd")
+log = logging.getLogger(__name__)
 
 PlanEntry = ParallelStyle | None  # None: leave the module replicated
 
 
-class PrepareFirstInput(ParallelStyle):
-    """Redistribute only the first tensor argument of a module (positional or keyword).
+@dataclass
+class TPPlan:
+    """Styles per module (``name#tag`` when one module gets several), plus what the styles imply:
+    ``packings`` (parameter name -> fused layout), ``local_counts`` (module -> head-count attributes to
+    set per rank), and whether sequence parallelism stayed on."""
 
-    ``PrepareModuleInput`` insists on a layout for every positional argument; blocks of real models
-    take extra arguments (masks, rotary tables) that must pass through untouched.
-    """
+    styles: dict[str, PlanEntry] = field(default_factory=dict)
+    packings: dict[str, Packing] = field(default_factory=dict)
+    local_counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    sequence_parallel: bool = False
+    notes: list[str] = field(default_factory=list)
 
-    def __init__(self, current: Any, desired: Any) -> None:
-        super().__init__()
-        self.current, self.desired = current, desired
 
-    def _convert(self, tensor: Any, mesh: DeviceMesh) -> Any:
-        if tensor is None or not hasattr(tensor, "shape"):
-            return tensor
-        if self.desired == Shard(1) and not isinstance(tensor, DTensor) and tensor.shape[1] % mesh.size():
+def _user_style(spec: Any, module: nn.Module, tp: int, name: str, pattern: str) -> tuple[PlanEntry, Packing | None]:
+    """An explicit tp_plan value: a style name, or ``{"style": ..., "sizes": [...], "dim": d}`` for a fused
+    projection whose pieces (in order, along ``dim``) each split over the ranks."""
+    if isinstance(spec, Mapping):
+        style = spec.get("style", "colwise")
+        sizes = spec.get("sizes")
+        if style not in ("colwise", "packed_colwise") or not sizes:
             raise ValueError(
-                f"Sequence parallelism splits the sequence over tensor_parallel({mesh.size()}) ranks, but this"
-                f" batch has sequence length {tensor.shape[1]}. Use lengths divisible by {mesh.size()}, or set"
-                " sequence_parallel=False."
+                f"tp_plan entry for '{name}' = {dict(spec)!r}: a dict entry describes a fused projection, e.g."
+                " {'style': 'colwise', 'sizes': [q_rows, k_rows, v_rows]} (add 'dim': 1 for a weight stored (in, out))."
             )
-        dt = tensor if isinstance(tensor, DTensor) else DTensor.from_local(tensor, mesh, (self.current,), run_check=False)
-        return dt.redistribute(placements=(self.desired,)).to_local()
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        first = first_arg_name(module)
-
-        def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if args:
-                return (self._convert(args[0], device_mesh), *args[1:]), kwargs
-            if first in kwargs:
-                kwargs = {**kwargs, first: self._convert(kwargs[first], device_mesh)}
-            return args, kwargs
-
-        module.register_forward_pre_hook(hook, with_kwargs=True)
-        return module
+        dim = int(spec.get("dim", 1 if is_conv1d(module) else 0))
+        packing = Packing(dim, tuple(int(s) for s in sizes), tp)
+        if packing.total != module.weight.shape[dim]:
+            raise ValueError(
+                f"tp_plan['{name}'] sizes {list(sizes)} add up to {packing.total}, but the weight has"
+                f" {module.weight.shape[dim]} along dim {dim}."
+            )
+        return SplitLinear("col", packing=packing), packing
+    if spec not in TP_STYLES:
+        raise ValueError(f"tp_plan[{pattern!r}] = {spec!r} is not a known style. Use one of {sorted(TP_STYLES)}.")
+    return TP_STYLES[spec](), None
 
 
-class GatherFirstOutput(ParallelStyle):
-    """Redistribute the first tensor of a module's output (a tensor or a tuple led by one)."""
-
-    def __init__(self, current: Any, desired: Any) -> None:
-        super().__init__()
-        self.current, self.desired = current, desired
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def convert(tensor: Any) -> Any:
-            dt = DTensor.from_local(tensor, device_mesh, (self.current,), run_check=False)
-            return dt.redistribute(placements=(self.desired,)).to_local()
-
-        def hook(_mod: nn.Module, _inputs: Any, output: Any) -> Any:
-            if isinstance(output, tuple):
-                return (convert(output[0]), *output[1:])
-            return convert(output)
-
-        module.register_forward_hook(hook)
-        return module
-
-
-# Styles an explicit plan can name (Python or YAML): module-name pattern -> one of these keys.
+# Styles an explicit plan can name (Python or YAML); transformers' names are accepted too.
 TP_STYLES: dict[str, Any] = {
-    "colwise": lambda: ColwiseParallel(),
-    "colwise_gather": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "rowwise": lambda: RowwiseParallel(),
-    "rowwise_sequence": lambda: RowwiseParallel(output_layouts=Shard(1)),
-    "embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "sequence_parallel": lambda: SequenceParallel(),
-    "prepare_sequence": lambda: PrepareFirstInput(Shard(1), Replicate()),
+    "colwise": lambda: SplitLinear("col"),
+    "colwise_gather": lambda: SplitLinear("col", output=Replicate()),
+    "colwise_gather_output": lambda: SplitLinear("col", output=Replicate()),
+    "rowwise": lambda: SplitLinear("row"),
+    "rowwise_split_input": lambda: SplitLinear("row", input=Replicate()),
+    "rowwise_sequence": lambda: SplitLinear("row", output=TOKEN),
+    "embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    "sequence_parallel": lambda: ReplicatedOnShards(2),
+    "replicated_with_grad_allreduce": lambda: ReplicatedOnShards(2),
+    "sharded_norm": lambda: ShardedNorm(),
+    "prepare_sequence": lambda: PrepareFirstInput(TOKEN, Replicate()),
     "replicate": lambda: None,
 }
 
 
-def _leaf(name: str) -> str:
-    return name.rsplit(".", 1)[-1].lower()
+class _SequenceParallelUnfit(Exception):
+    """This model cannot run with sequence-sharded activations inside its blocks; the plan is redone without."""
 
 
 def _join(prefix: str, name: str) -> str:
@@ -128,267 +110,359 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _user_style(name: str, user_plan: Mapping[str, str]) -> tuple[bool, PlanEntry]:
-    for pattern, style in user_plan.items():
-        if fnmatchcase(name, pattern):
-            if style not in TP_STYLES:
-                raise ValueError(
-                    f"tp_plan[{pattern!r}] = {style!r} is not a known style. Use one of {sorted(TP_STYLES)}."
-                )
-            return True, TP_STYLES[style]()
-    return False, None
-
-
-def _linear_children(module: nn.Module) -> dict[str, nn.Linear]:
-    return {n: c for n, c in module.named_children() if isinstance(c, nn.Linear)}
+def _linear_like(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower() and not any(True for _ in module.children())
 
 
-def _check_attention(name: str, attn: nn.Module, q: nn.Linear, k: nn.Linear, tp: int) -> None:
-    head_dim = getattr(attn, "head_dim", None)
-    counts: dict[str, int] = {}
-    for attr in HEAD_COUNT_ATTRS:
-        value = getattr(attn, attr, None)
-        if isinstance(value, int):
-            counts[attr] = value
-    if isinstance(head_dim, int) and head_dim > 0:
-        counts.setdefault("query heads", q.out_features // head_dim)
-        counts.setdefault("key/value heads", k.out_features // head_dim)
-    counts.setdefault("query features", q.out_features)
-    counts.setdefault("key/value features", k.out_features)
-    for what, value in counts.items():
-        if value % tp != 0:
-            raise ValueError(
-                f"Attention module '{name}': {what} = {value} is not divisible by tensor_parallel({tp})."
-                f" Use a tensor_parallel degree that divides every head count ({counts})."
-            )
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
 
 
 def infer_tp_plan(
-    model: nn.Module, tp: int, *, sequence_parallel: bool = True, user_plan: Mapping[str, str] | None = None
-) -> dict[str, PlanEntry]:
+    model: nn.Module, tp: int, *, sequence_parallel: bool = True, user_plan: Mapping[str, Any] | None = None
+) -> TPPlan:
     """Build the tensor-parallel plan for ``model``; raise a ValueError naming any module we cannot split."""
-    user_plan = dict(user_plan or {})
-    plan: dict[str, PlanEntry] = {}
-    claimed: set[str] = set()
-    for name, _ in model.named_modules():
-        if not name:
-            continue
-        matched, style = _user_style(name, user_plan)
-        if matched:
-            plan[name] = style
-            claimed.add(name)
-
-    stack = find_block_stack(model)
-    if stack is None and not user_plan:
-        raise ValueError(
-            f"Could not find a stack of transformer blocks (an nn.ModuleList of identical modules) in"
-            f" {type(model).__name__}. Keep the blocks in one nn.ModuleList, or pass an explicit"
-            f" `tp_plan` mapping module-name patterns to styles {sorted(TP_STYLES)}."
-        )
-    seq = sequence_parallel
-    block_names = stack.names() if stack is not None else []
-    for block_name, block in zip(block_names, stack.modules() if stack is not None else []):
-        _plan_block(block_name, block, tp, seq, plan, claimed)
-    if stack is not None and seq and block_names:
-        # The sequence is sharded only inside the stack: embeddings and the head see the full sequence,
-        # so models that derive positions or masks from the embedding's shape keep working. Under
-        # pipeline parallelism only the ranks holding the first / last block do this.
-        first, last = _join(stack.prefix, "0"), _join(stack.prefix, str(stack.total - 1))
-        if first in block_names:
-            plan.setdefault(first + "#in", PrepareFirstInput(Replicate(), Shard(1)))
-        if last in block_names:
-            plan.setdefault(last + "#out", GatherFirstOutput(Shard(1), Replicate()))
-    _plan_outside(model, stack.prefix if stack is not None else None, tp, plan, claimed)
-    _refuse_tied(model, plan)
-    return plan
+    if sequence_parallel:
+        try:
+            return _Planner(model, tp, True, user_plan or {}).plan()
+        except _SequenceParallelUnfit as why:
+            note = f"sequence parallelism turned off for {type(model).__name__}: {why}"
+            log.info(note)
+            plan = _Planner(model, tp, False, user_plan or {}).plan()
+            plan.notes.append(note)
+            return plan
+    return _Planner(model, tp, False, user_plan or {}).plan()
 
 
-def _plan_block(
-    block_name: str, block: nn.Module, tp: int, seq: bool, plan: dict[str, PlanEntry], claimed: set[str]
-) -> None:
-    covered: set[str] = set()
-    regions: list[str] = []  # attention / MLP modules: between their column and row splits data is sharded
-    for sub_name, sub in block.named_modules():
-        full = _join(block_name, sub_name)
-        children = _linear_children(sub)
-        names = {n.lower(): n for n in children}
-        _refuse_fused(full, names, claimed)
-        # Sorted: every rank must shard modules in the same order, because sharding a parameter is a
-        # collective (rank 0's values are scattered); set order differs between processes.
-        qs, ks, vs = sorted(names.keys() & _Q), sorted(names.keys() & _K), sorted(names.keys() & _V)
-        ups, downs = sorted(names.keys() & _UP), sorted(names.keys() & _DOWN)
-        row_style = RowwiseParallel(output_layouts=Shard(1)) if seq else RowwiseParallel()
-        if qs and ks and vs:
-            _check_attention(full, sub, children[names[qs[0]]], children[names[ks[0]]], tp)
-            for n in (*qs, *ks, *vs):
-                _add(plan, claimed, covered, _join(full, names[n]), ColwiseParallel())
-            for n in sorted(names.keys() & _OUT):
-                _add(plan, claimed, covered, _join(full, names[n]), row_style)
-            if seq:
-                _add(plan, claimed, covered, full + "#attn_in", PrepareFirstInput(Shard(1), Replicate()))
-            plan.setdefault(full + "#heads", None)
-            regions.append(full)
-        elif ups and downs:
-            for n in ups:
-                if children[names[n]].out_features % tp:
-                    raise ValueError(
-                        f"MLP projection '{_join(full, names[n])}' has {children[names[n]].out_features} output"
-                        f" features, not divisible by tensor_parallel({tp}). Choose a degree that divides it."
-                    )
-                _add(plan, claimed, covered, _join(full, names[n]), ColwiseParallel())
-            for n in downs:
-                _add(plan, claimed, covered, _join(full, names[n]), row_style)
-            if seq:
-                _add(plan, claimed, covered, full + "#mlp_in", PrepareFirstInput(Shard(1), Replicate()))
-            regions.append(full)
+class _Planner:
+    def __init__(self, model: nn.Module, tp: int, seq: bool, user_plan: Mapping[str, Any]) -> None:
+        self.model, self.tp, self.seq = model, tp, seq
+        self.result = TPPlan(sequence_parallel=seq)
+        self.styles = self.result.styles
+        self.claimed: set[str] = set()
+        self.roles = shipped_roles(model)
+        for name, module in model.named_modules():
+            for pattern, spec in user_plan.items():
+                if name and fnmatchcase(name, pattern):
+                    style, packing = _user_style(spec, module, tp, name, pattern)
+                    self.styles[name] = style
+                    self.claimed.add(name)
+                    if packing is not None:
+                        self._record_packing(name, module, packing)
+                    break
+        self.user_plan = user_plan
 
-    def region_of(name: str) -> str | None:
-        return next((r for r in regions if name == r or name.startswith(r + ".")), None)
+    # ------------------------------------------------------------------ the whole model
 
-    for sub_name, sub in block.named_modules():
-        full = _join(block_name, sub_name)
-        if full in claimed or full in covered:
-            continue
-        if isinstance(sub, nn.Linear):
+    def plan(self) -> TPPlan:
+        stack = find_block_stack(self.model)
+        if stack is None and not self.user_plan:
             raise ValueError(
-                f"Cannot decide how to split Linear '{full}' for tensor parallelism: it is neither a q/k/v/output"
-                f" projection next to its siblings nor an MLP up/gate/down projection. Give it a style in tp_plan"
-                f" (e.g. tp_plan={{'{full}': 'colwise'}} or 'rowwise'); if it works on the full hidden state"
-                f" outside attention and MLP, tp_plan={{'{full}': 'replicate'}} with sequence_parallel=False."
+                f"Could not find a stack of transformer blocks (an nn.ModuleList of identical modules) in"
+                f" {type(self.model).__name__}. Keep the blocks in one nn.ModuleList, or pass an explicit"
+                f" `tp_plan` mapping module-name patterns to styles {sorted(TP_STYLES)}."
             )
-        if seq and _is_norm(sub) and region_of(full) is None:
-            plan[full] = SequenceParallel(use_local_output=True)
-    _refuse_partial_gradients(block, block_name, plan, seq, region_of)
+        names = stack.names() if stack is not None else []
+        for block_name, block in zip(names, stack.modules() if stack is not None else []):
+            self._plan_block(block_name, block)
+        if stack is not None and self.seq and names:
+            # The sequence is sharded only inside the stack: embeddings and the head see the full sequence,
+            # so models that derive positions or masks from the embedding's shape keep working. Under
+            # pipeline parallelism only the ranks holding the first / last block do this.
+            first, last = _join(stack.prefix, "0"), _join(stack.prefix, str(stack.total - 1))
+            if first in names:
+                self.styles.setdefault(first + "#in", PrepareFirstInput(Replicate(), TOKEN))
+            if last in names:
+                self.styles.setdefault(last + "#out", GatherFirstOutput(TOKEN, Replicate()))
+        self._plan_outside(stack.prefix if stack is not None else None)
+        self._check_ties()
+        return self.result
 
+    # ------------------------------------------------------------------ one block
 
-def _refuse_fused(full: str, names: dict[str, str], claimed: set[str]) -> None:
-    unclaimed = [n for n in sorted(names) if n in _FUSED_QKV | _FUSED_UP and _join(full, names[n]) not in claimed]
-    if unclaimed:
-        bad = _join(full, names[unclaimed[0]])
-        raise ValueError(
-            f"Module '{bad}' fuses several projections in one Linear. If its output rows are concatenated"
-            f" ([all q; all k; all v] or [gate; up]), a column split would hand each rank a mix of them."
-            f" If the rows are grouped per head / per key-value group (Megatron, GPT-NeoX layout), a column"
-            f" split is right: say so with tp_plan={{'{bad}': 'colwise'}}. Otherwise split it into separate"
-            f" Linear layers."
-        )
+    def _role(self, name: str, leaf: str, module: nn.Module, roles_here: dict[str, str]) -> str | None:
+        role = self.roles.get(name)
+        if role == "col" and leaf.lower() in fam.FUSED_QKV | fam.FUSED_UP:
+            role = None  # fused: our per-piece split, not the shipped gathered one
+        if role is not None or not _linear_like(module):
+            return role
+        return roles_here.get(leaf)
 
+    def _plan_block(self, block_name: str, block: nn.Module) -> None:
+        covered: set[str] = set()
+        regions: dict[str, bool] = {}  # region module -> inline (its projections are children of a bigger module)
+        for sub_name, sub in block.named_modules():
+            full = _join(block_name, sub_name)
+            kind = self._plan_region(full, sub, covered, sub is block)
+            if kind is not None:
+                regions[full] = kind
+        self._plan_rest(block_name, block, covered, regions)
 
-_SPLIT_STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel)
+    def _name_roles(self, children: dict[str, nn.Module]) -> dict[str, str]:
+        lower = {n.lower(): n for n in children}
+        roles: dict[str, str] = {}
+        if lower.keys() & fam.FUSED_QKV or (lower.keys() & fam.Q and lower.keys() & fam.K and lower.keys() & fam.V):
+            for low, n in lower.items():
+                if low in fam.Q | fam.K | fam.V:
+                    roles[n] = "col"
+                elif low in fam.FUSED_QKV:
+                    roles[n] = "qkv"
+                elif low in fam.OUT:
+                    roles[n] = "row"
+        elif (lower.keys() & (fam.UP | fam.FUSED_UP)) and lower.keys() & fam.DOWN:
+            for low, n in lower.items():
+                if low in fam.FUSED_UP:
+                    roles[n] = "gate_up"
+                elif low in fam.UP:
+                    roles[n] = "col"
+                elif low in fam.DOWN:
+                    roles[n] = "row"
+        return roles
 
+    def _plan_region(self, full: str, module: nn.Module, covered: set[str], is_block: bool) -> bool | None:
+        """Plan ``module`` if its children form a region; returns whether the region is inline, else None."""
+        children = dict(module.named_children())
+        if self._role(full, "", module, {}) == "experts" or _fused_experts(module):
+            return None  # planned with its MoE parent
+        experts = [n for n, c in children.items() if self.roles.get(_join(full, n)) == "experts" or _fused_experts(c)]
+        if experts:
+            self._plan_moe(full, module, experts, covered)
+            return False
+        name_roles = self._name_roles({n: c for n, c in children.items() if _linear_like(c)})
+        roles = {n: r for n, c in children.items() if (r := self._role(_join(full, n), n, c, name_roles))}
+        cols = [n for n, r in roles.items() if r in ("col", "qkv", "gate_up")]
+        rows = [n for n, r in roles.items() if r == "row"]
+        if not cols or not rows:
+            return None
+        attention = any(roles[n] == "qkv" for n in cols) or any(n.lower() in fam.Q for n in cols) or hasattr(module, "head_dim")
+        # An MLP whose projections are direct children of the block (OPT) is "inline": its input cannot be
+        # gathered at a module boundary, so its column splits gather their own input.
+        inline = not attention and is_block
+        heads = self._plan_attention(full, module, roles, cols) if attention else None
+        col_in = TOKEN if (self.seq and inline) else Replicate()
+        row_out = TOKEN if self.seq else Replicate()
+        for n in sorted(cols):
+            name = _join(full, n)
+            packing = heads.packing if heads is not None and roles[n] == "qkv" else None
+            if roles[n] == "gate_up":
+                width = fam.out_features(children[n])
+                packing = Packing(1 if is_conv1d(children[n]) else 0, (width // 2, width // 2), self.tp)
+            self._divisible(name, children[n], packing)
+            self._add(name, SplitLinear("col", input=col_in, packing=packing), covered)
+            if packing is not None:
+                self._record_packing(name, children[n], packing)
+        for n in sorted(rows):
+            self._add(_join(full, n), SplitLinear("row", output=row_out), covered)
+        if self.seq and not inline:
+            self._add(full + "#in", PrepareFirstInput(TOKEN, Replicate()), covered)
+        if not inline:
+            covered.add(full)
+        return inline
 
-def _refuse_partial_gradients(
-    block: nn.Module, block_name: str, plan: Mapping[str, PlanEntry], seq: bool, region_of: Any
-) -> None:
-    """A whole (unsplit) parameter is only right where every rank sees the same full activations.
-
-    Inside attention/MLP each rank holds different heads or features; with sequence parallelism the
-    residual stream holds different tokens. A replicated parameter there would get a gradient from
-    this rank's part only, with nothing summing the parts: refuse instead of training wrong.
-    """
-    for sub_name, sub in block.named_modules():
-        full = _join(block_name, sub_name)
-        if not any(True for _ in sub.parameters(recurse=False)) or isinstance(plan.get(full), _SPLIT_STYLES):
-            continue
-        region = region_of(full)
-        if region is not None:
-            raise ValueError(
-                f"Module '{full}' holds parameters inside the tensor-parallel region '{region}', where each rank"
-                f" holds only some heads or features, so its gradient would miss the other ranks' part. Give it a"
-                f" splitting style in tp_plan ('colwise'/'rowwise'), or run this model without tensor parallelism."
-            )
-        if seq:
-            raise ValueError(
-                f"Module '{full}' holds parameters that no tensor-parallel style covers; with"
-                f" sequence_parallel=True it would see only this rank's part of the sequence and get a partial"
-                f" gradient. Set sequence_parallel=False, or tp_plan={{'{full}': 'sequence_parallel'}} if it is a"
-                f" per-token op such as a norm."
-            )
-
-
-def _add(plan: dict[str, PlanEntry], claimed: set[str], covered: set[str], name: str, style: PlanEntry) -> None:
-    covered.add(name)
-    if name not in claimed:
-        plan[name] = style
-
-
-def _plan_outside(
-    model: nn.Module, stack_prefix: str | None, tp: int, plan: dict[str, PlanEntry], claimed: set[str]
-) -> None:
-    def inside_stack(name: str) -> bool:
-        return stack_prefix is not None and (name == stack_prefix or name.startswith(stack_prefix + "."))
-
-    # A pipeline rank without the embedding still knows its size from the stand-in left in its place.
-    vocab_sizes = {m.num_embeddings for m in model.modules() if isinstance(getattr(m, "num_embeddings", None), int)}
-    for name, module in model.named_modules():
-        if inside_stack(name) or name in claimed or not isinstance(module, nn.Embedding):
-            continue
-        if module.num_embeddings % tp:
-            raise ValueError(
-                f"Embedding '{name}' has {module.num_embeddings} rows, not divisible by tensor_parallel({tp})."
-                f" Pad the vocabulary to a multiple of {tp}, or set tp_plan={{'{name}': 'replicate'}}."
-            )
-        plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    for name, module in model.named_modules():
-        if inside_stack(name) or name in claimed or not isinstance(module, nn.Linear):
-            continue
-        if module.out_features in vocab_sizes:
-            # The LM head: split the vocabulary and gather full logits so the user's loss is unchanged.
-            plan[name] = ColwiseParallel(output_layouts=Replicate())
-
-
-def _refuse_tied(model: nn.Module, plan: Mapping[str, PlanEntry]) -> None:
-    owners: dict[int, str] = {}
-    for name, module in model.named_modules():
-        if plan.get(name) is None:
-            continue
-        for pname, param in module.named_parameters(recurse=False):
-            key = id(param)
-            if key in owners and owners[key] != name:
+    def _plan_attention(self, full: str, attn: nn.Module, roles: dict[str, str], cols: list[str]) -> Any:
+        fused = [n for n in cols if roles[n] == "qkv"]
+        layout = None
+        if fused and _join(full, fused[0]) not in self.claimed:
+            layout = fam.fused_qkv_layout(attn, self.tp)
+            if layout is None:
+                name = _join(full, fused[0])
                 raise ValueError(
-                    f"Parameter '{name}.{pname}' is tied to '{owners[key]}'; tied weights cannot be split by two"
-                    f" different styles. Untie them (e.g. tie_word_embeddings=False), or keep both whole with"
-                    f" tp_plan={{'{owners[key]}': 'replicate', '{name}': 'replicate'}}."
+                    f"Module '{name}' fuses q, k and v in one projection of {type(attn).__name__}, whose row layout"
+                    f" is not known. Describe it: with rows [all q; all k; all v] use tp_plan={{'{name}': {{'style':"
+                    f" 'colwise', 'sizes': [q_rows, k_rows, v_rows]}}}}; with rows grouped per head (GPT-NeoX,"
+                    f" Megatron) tp_plan={{'{name}': 'colwise'}}."
                 )
-            owners[key] = name
+        counts = {a: v for a in fam.HEAD_COUNT_ATTRS if isinstance(v := getattr(attn, a, None), int) and not isinstance(v, bool)}
+        if layout is not None:
+            counts.setdefault("query heads", layout.heads)
+            counts.setdefault("key/value heads", layout.kv_heads)
+        head_dim = getattr(attn, "head_dim", None)
+        if isinstance(head_dim, int) and head_dim > 0 and not fused:
+            q = next((n for n in cols if n.lower() in fam.Q), None)
+            k = next((n for n in cols if n.lower() in fam.K), None)
+            if q is not None:
+                counts.setdefault("query heads", fam.out_features(attn.get_submodule(q)) // head_dim)
+            if k is not None:
+                counts.setdefault("key/value heads", fam.out_features(attn.get_submodule(k)) // head_dim)
+        for what, value in counts.items():
+            if value % self.tp:
+                raise ValueError(
+                    f"Attention module '{full}': {what} = {value} is not divisible by tensor_parallel({self.tp})."
+                    f" Use a tensor_parallel degree that divides every head count ({counts})."
+                )
+        self._local_counts(full, attn, cols, layout)
+        slices = fam.head_slices(attn)
+        if slices:
+            self.styles[full + "#heads"] = HeadSlice(slices)
+        self._plan_qk_norms(full, attn, head_dim)
+        return layout
 
-
-def _scale_head_counts(model: nn.Module, plan: Mapping[str, PlanEntry], tp: int) -> None:
-    for key in plan:
-        if not key.endswith("#heads"):
-            continue
-        attn_name = key[: -len("#heads")]
-        attn = model.get_submodule(attn_name)
-        q_width = None
-        for name, child in _linear_children(attn).items():
-            if name.lower() in _Q and isinstance(plan.get(_join(attn_name, name)), ColwiseParallel):
-                q_width = child.out_features
-        if q_width is None:
-            continue  # q/k/v kept whole by an explicit plan: head counts stay as they are
-        for attr in HEAD_COUNT_ATTRS:
+    def _local_counts(self, full: str, attn: nn.Module, cols: list[str], layout: Any) -> None:
+        q_width = sum(fam.out_features(attn.get_submodule(n)) for n in cols if n.lower() in fam.Q)
+        if layout is not None and isinstance(getattr(attn, "head_dim", None), int):
+            q_width = layout.heads * attn.head_dim
+        patch = {a: v // self.tp for a in fam.HEAD_COUNT_ATTRS if isinstance(v := getattr(attn, a, None), int) and not isinstance(v, bool)}
+        for attr in fam.WIDTH_ATTRS:
             value = getattr(attn, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                setattr(attn, attr, value // tp)
-        for attr in _WIDTH_ATTRS:
-            value = getattr(attn, attr, None)
-            if isinstance(value, int) and q_width is not None and value == q_width:
-                setattr(attn, attr, value // tp)
+            if isinstance(value, int) and q_width and value == q_width:
+                patch[attr] = value // self.tp
+        config = getattr(attn, "config", None)
+        if config is not None and isinstance(getattr(config, "num_attention_heads", None), int):
+            # Some attention code splits with the (shared) config's head counts: give it its own copy.
+            patch["config.num_attention_heads"] = config.num_attention_heads // self.tp
+            kv = getattr(config, "num_key_value_heads", None)
+            if isinstance(kv, int):
+                patch["config.num_key_value_heads"] = kv // self.tp
+        if patch:
+            self.result.local_counts[full] = patch
+
+    def _plan_qk_norms(self, full: str, attn: nn.Module, head_dim: Any) -> None:
+        for n, child in attn.named_children():
+            name = _join(full, n)
+            if name in self.claimed or not _is_norm(child) or not _has_params(child):
+                continue
+            size = next(child.parameters()).shape[0]
+            if self.roles.get(name) == "headwise" or (isinstance(head_dim, int) and size == head_dim):
+                self.styles[name] = ReplicatedOnShards(2)  # per head: this rank's heads, gradient summed
+            else:
+                self.styles[name] = ShardedNorm()  # over all heads' features: split with them
+
+    def _plan_moe(self, full: str, moe: nn.Module, experts: list[str], covered: set[str]) -> None:
+        num_experts = {p.shape[0] for n in experts for p in moe.get_submodule(n).parameters(recurse=False)}
+        for n, child in moe.named_children():
+            params = list(child.parameters())
+            if n not in experts and len(params) == 1 and params[0].dim() == 2 and params[0].shape[0] in num_experts:
+                # The router stays whole: the experts' inputs (tokens, routing weights) sum their gradients over
+                # ranks, so it receives the full gradient.
+                covered.add(_join(full, n))
+        for n in experts:
+            name = _join(full, n)
+            module = moe.get_submodule(n)
+            params = {}
+            for pname, p in module.named_parameters(recurse=False):
+                if p.dim() != 3:
+                    raise ValueError(f"MoE experts '{name}': parameter '{pname}' is not a 3-D (experts, out, in) weight.")
+                if "down" in pname or pname == "w2":
+                    params[pname] = (2, None)
+                else:
+                    packing = Packing(1, (p.shape[1] // 2, p.shape[1] // 2), self.tp) if "gate_up" in pname or pname == "w13" else None
+                    params[pname] = (1, packing)
+                    if packing is not None:
+                        self.result.packings[_join(name, pname)] = packing
+                if p.shape[params[pname][0]] % self.tp:
+                    raise ValueError(
+                        f"MoE experts '{name}.{pname}' has FFN width {p.shape[params[pname][0]]}, not divisible by"
+                        f" tensor_parallel({self.tp})."
+                    )
+            self._add(name, SplitExperts(params), covered)
+        if self.seq:
+            self._add(full + "#in", PrepareFirstInput(TOKEN, Replicate()), covered)
+            self._add(full + "#out", GatherFirstOutput(Replicate(), TOKEN), covered)
+        covered.add(full)
+
+    # ------------------------------------------------------------------ everything else in a block
+
+    def _plan_rest(self, block_name: str, block: nn.Module, covered: set[str], regions: dict[str, bool]) -> None:
+        def region_of(name: str) -> str | None:
+            return next((r for r, inline in regions.items() if not inline and (name == r or name.startswith(r + "."))), None)
+
+        for sub_name, sub in block.named_modules():
+            full = _join(block_name, sub_name)
+            if full in covered or self.styles.get(full) is not None:
+                continue
+            if _linear_like(sub) and full not in self.claimed:
+                raise ValueError(
+                    f"Cannot decide how to split Linear '{full}' for tensor parallelism: it is neither a q/k/v/output"
+                    f" projection next to its siblings nor an MLP up/gate/down projection. Give it a style in tp_plan"
+                    f" (e.g. tp_plan={{'{full}': 'colwise'}} or 'rowwise'); if it works on the full hidden state"
+                    f" outside attention and MLP, tp_plan={{'{full}': 'replicate'}} with sequence_parallel=False."
+                )
+            if not _has_params(sub):
+                continue
+            region = region_of(full)
+            if region is not None:
+                raise ValueError(
+                    f"Module '{full}' holds parameters inside the tensor-parallel region '{region}', where each rank"
+                    f" holds only some heads or features, so its gradient would miss the other ranks' part. Give it a"
+                    f" splitting style in tp_plan ('colwise'/'rowwise'), or run this model without tensor parallelism."
+                )
+            if self.seq:
+                if (_is_norm(sub) or self.roles.get(full) == "norm") and full not in self.claimed:
+                    self.styles[full] = ReplicatedOnShards(2)
+                else:
+                    raise _SequenceParallelUnfit(
+                        f"'{full}' ({type(sub).__name__}) holds parameters outside attention and MLP and is not a norm,"
+                        " so it would see only this rank's tokens"
+                    )
+
+    def _divisible(self, name: str, module: nn.Module, packing: Packing | None) -> None:
+        width = fam.out_features(module)
+        if packing is None and width % self.tp:
+            raise ValueError(
+                f"Projection '{name}' has {width} output features, not divisible by tensor_parallel({self.tp})."
+                " Choose a degree that divides it."
+            )
+
+    def _add(self, name: str, style: PlanEntry, covered: set[str]) -> None:
+        covered.add(name.split("#", 1)[0])
+        if name not in self.claimed:
+            self.styles[name] = style
+
+    def _record_packing(self, name: str, module: nn.Module, packing: Packing) -> None:
+        self.result.packings[f"{name}.weight"] = packing
+        if isinstance(getattr(module, "bias", None), nn.Parameter):
+            self.result.packings[f"{name}.bias"] = Packing(0, packing.sizes, packing.tp)
+
+    # ------------------------------------------------------------------ embeddings, head, ties
+
+    def _plan_outside(self, stack_prefix: str | None) -> None:
+        def inside_stack(name: str) -> bool:
+            return stack_prefix is not None and (name == stack_prefix or name.startswith(stack_prefix + "."))
+
+        modules = [(n, m) for n, m in self.model.named_modules() if n and not inside_stack(n) and n not in self.claimed]
+        # A pipeline rank without the embedding still knows the vocabulary from the stand-in left in its place.
+        vocab_sizes = {m.num_embeddings for m in self.model.modules() if isinstance(getattr(m, "num_embeddings", None), int)}
+        heads = [(n, m) for n, m in modules if isinstance(m, nn.Linear) and m.out_features in vocab_sizes]
+        vocab = max((m.out_features for _, m in heads), default=max(vocab_sizes, default=0))
+        for name, module in modules:
+            if isinstance(module, nn.Embedding) and module.num_embeddings == vocab:
+                if module.num_embeddings % self.tp:
+                    raise ValueError(
+                        f"Embedding '{name}' has {module.num_embeddings} rows, not divisible by tensor_parallel({self.tp})."
+                        f" Pad the vocabulary to a multiple of {self.tp}, or set tp_plan={{'{name}': 'replicate'}}."
+                    )
+                self.styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        for name, module in heads:
+            if module.out_features == vocab and module.out_features % self.tp == 0:
+                # The LM head: split the vocabulary and gather full logits so the user's loss is unchanged.
+                self.styles[name] = SplitLinear("col", output=Replicate())
+
+    def _check_ties(self) -> None:
+        owners: dict[int, tuple[str, Any]] = {}
+        for name, module in self.model.named_modules():
+            style = self.styles.get(name)
+            for pname, param in module.named_parameters(recurse=False):
+                placement = weight_placement(style, module) if pname == "weight" or style is None else None
+                if id(param) in owners:
+                    other, other_placement = owners[id(param)]
+                    if placement is None or placement != other_placement:
+                        raise ValueError(
+                            f"Parameter '{_join(name, pname)}' is tied to '{other}', but the plan splits them"
+                            f" differently ({other_placement} vs {placement}), which would untie them. Split both the"
+                            f" same way: the default plan shards an embedding and its tied LM head by vocabulary;"
+                            f" or keep both whole: tp_plan={{'{other.rsplit('.', 1)[0]}': 'replicate', '{name}':"
+                            f" 'replicate'}}."
+                        )
+                else:
+                    owners[id(param)] = (_join(name, pname), placement)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, PlanEntry]) -> nn.Module:
-    """Shard ``model`` in place over ``tp_mesh`` following ``plan`` (see :func:`infer_tp_plan`)."""
-    tp = tp_mesh.size()
-    # Module names in the plan may carry a '#tag' when one module gets several styles (e.g. a block's
-    # input preparation and, separately, its output gathering): apply each style on its own.
-    for key, style in plan.items():
-        if style is None:
-            continue
-        name = key.split("#", 1)[0]
-        module = model.get_submodule(name) if name else model
-        parallelize_module(module, tp_mesh, style)
-    _scale_head_counts(model, plan, tp)
-    return model
+def _fused_experts(module: nn.Module) -> bool:
+    """transformers-style fused experts: 3-D expert weights such as gate_up_proj (E, 2I, H), down_proj (E, H, I)."""
+    params = dict(module.named_parameters(recurse=False))
+    return len(params) >= 2 and all(p.dim() == 3 for p in params.values()) and any("down" in n or n == "w2" for n in params)
+

@@ -1,0 +1,36 @@
+"""Apply a tensor-parallel plan: shard each module, then give attention code its per-rank head counts."""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+from lightning_llmpar.tensor_parallel.plan import TPPlan
+
+__all__ = ["apply_tensor_parallel"]
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
+    """Shard ``model`` in place over ``tp_mesh`` following ``plan`` (see :func:`infer_tp_plan`)."""
+    # Keys may carry a '#tag' when one module gets several styles (e.g. a block's input preparation and,
+    # separately, its output gathering): apply each on its own. Order is the plan's, the same on every
+    # rank: sharding a parameter is a collective.
+    for key, style in plan.styles.items():
+        if style is None:
+            continue
+        name = key.split("#", 1)[0]
+        parallelize_module(model.get_submodule(name) if name else model, tp_mesh, style)
+    for name, counts in plan.local_counts.items():
+        module = model.get_submodule(name)
+        for attr, value in counts.items():
+            if attr.startswith("config."):
+                if not getattr(module, "_llmpar_own_config", False):
+                    module.config = copy.copy(module.config)  # the model's config is shared by every layer
+                    module._llmpar_own_config = True
+                setattr(module.config, attr[len("config.") :], value)
+            else:
+                setattr(module, attr, value)
+    return model

@@ -1,0 +1,109 @@
+"""What the plan needs to know about real models: projection names, and fused layouts by attention class.
+
+Names are matched on a module's direct children (case-insensitive). Fused q/k/v projections cannot be
+recognised by shape alone (GPT-NeoX's per-head ``[q_h; k_h; v_h]`` and GPT-2's ``[all q | all k | all v]``
+look alike), so their layout is looked up by the attention class that owns them; anything else fused is
+refused with the ``tp_plan`` entry that describes it (see docs/model-convention.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_llmpar.tensor_parallel.packing import Packing
+
+__all__ = [
+    "Q", "K", "V", "OUT", "UP", "DOWN", "FUSED_QKV", "FUSED_UP", "HEAD_COUNT_ATTRS", "WIDTH_ATTRS",
+    "FusedLayout", "fused_qkv_layout", "head_slices", "out_features",
+]
+
+Q = {"q_proj", "q", "wq", "query", "q_lin", "to_q"}
+K = {"k_proj", "k", "wk", "key", "k_lin", "to_k"}
+V = {"v_proj", "v", "wv", "value", "v_lin", "to_v"}
+OUT = {"o_proj", "out_proj", "wo", "o", "proj", "c_proj", "dense", "out_lin", "to_out"}
+FUSED_QKV = {"qkv", "qkv_proj", "c_attn", "wqkv", "query_key_value", "in_proj", "w_pack"}
+UP = {"up_proj", "gate_proj", "w1", "w3", "fc1", "c_fc", "fc_in", "gate", "up", "dense_h_to_4h", "lin1", "fc_1", "fc_2", "fc"}
+DOWN = {"down_proj", "w2", "fc2", "fc_out", "c_proj", "down", "dense_4h_to_h", "lin2", "proj"}
+FUSED_UP = {"gate_up_proj", "w13", "fc1_gate"}
+
+# Attributes an attention module may read to reshape into heads; they hold per-rank counts after TP.
+HEAD_COUNT_ATTRS = (
+    "num_heads", "n_heads", "n_head", "num_attention_heads", "n_local_heads",
+    "num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "n_local_kv_heads",
+)
+# Width attributes (heads x head_dim) some attention modules reshape or split with.
+WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size", "inner_dim", "n_embd", "split_size")
+
+
+def out_features(module: nn.Module) -> int:
+    weight = module.weight  # type: ignore[union-attr]
+    return weight.shape[1] if type(module).__name__ == "Conv1D" else weight.shape[0]
+
+
+@dataclass(frozen=True)
+class FusedLayout:
+    """How a fused q/k/v projection splits: ``packing`` (None: rows already grouped per head or per key/value
+    group, so a plain column split hands each rank whole heads) and the per-rank head counts to patch."""
+
+    packing: Packing | None
+    heads: int
+    kv_heads: int
+
+
+def _concat(attn: nn.Module, tp: int, dim: int, q: int, kv: int, head_dim: int) -> FusedLayout:
+    return FusedLayout(Packing(dim, (q * head_dim, kv * head_dim, kv * head_dim), tp), q, kv)
+
+
+def _gpt2(attn: nn.Module, tp: int) -> FusedLayout:
+    # c_attn is a Conv1D (weight (in, out)); its output columns are [all q | all k | all v].
+    return _concat(attn, tp, 1, attn.num_heads, attn.num_heads, attn.head_dim)
+
+
+def _phi3(attn: nn.Module, tp: int) -> FusedLayout:
+    # qkv_proj rows [all q; all k; all v], split by the forward with config.num_attention_heads.
+    return _concat(attn, tp, 0, attn.config.num_attention_heads, attn.num_key_value_heads, attn.head_dim)
+
+
+def _per_head(attn: nn.Module, tp: int) -> FusedLayout:
+    # GPT-NeoX, Bloom: rows [q_h; k_h; v_h] per head.
+    heads = getattr(attn, "num_heads", None) or attn.config.num_attention_heads
+    return FusedLayout(None, heads, heads)
+
+
+def _falcon(attn: nn.Module, tp: int) -> FusedLayout:
+    if attn.new_decoder_architecture:  # rows [q heads of the group; k; v] per key/value group
+        return FusedLayout(None, attn.num_heads, attn.num_kv_heads)
+    if not attn.multi_query:  # per head [q_h; k_h; v_h]
+        return FusedLayout(None, attn.num_heads, attn.num_heads)
+    raise ValueError(
+        f"Falcon multi-query attention has one key/value head shared by all {attn.num_heads} query heads; it"
+        f" cannot be split over tensor_parallel({tp}). Use a config with new_decoder_architecture=True and"
+        " num_kv_heads divisible by tensor_parallel, or train it without tensor parallelism."
+    )
+
+
+FUSED_QKV_LAYOUTS: dict[str, Callable[[nn.Module, int], FusedLayout]] = {
+    "GPT2Attention": _gpt2,
+    "Phi3Attention": _phi3,
+    "GPTNeoXAttention": _per_head,
+    "BloomAttention": _per_head,
+    "FalconAttention": _falcon,
+}
+
+
+def fused_qkv_layout(attn: nn.Module, tp: int) -> FusedLayout | None:
+    fn = FUSED_QKV_LAYOUTS.get(type(attn).__name__)
+    return fn(attn, tp) if fn is not None else None
+
+
+def head_slices(attn: nn.Module) -> dict[str, tuple[int, int, bool]]:
+    """Per-head tensors an attention receives for all heads (ALiBi): argument -> (heads, dim, batch_major)."""
+    name = type(attn).__name__
+    if name == "BloomAttention":
+        return {"alibi": (attn.num_heads, 0, True)}
+    if name == "FalconAttention" and getattr(attn.config, "alibi", False):
+        return {"alibi": (attn.num_heads, 1, False), "attention_mask": (attn.num_heads, 1, False)}
+    return {}

@@ -1,0 +1,315 @@
+"""DTensor parallel styles for the layouts real models use, beyond torch's Linear/Embedding styles.
+
+Every style keeps parameters as DTensors (so FSDP2, clipping, optimizers and checkpoints see them) and
+hands the model's own code plain local tensors. "Token dim" is the dim before the features: 1 for
+``(batch, seq, hidden)``, 0 for the ``(tokens, hidden)`` views some blocks take (OPT, MoE layers), so
+sequence parallelism and its gather/scatter follow whatever view the model uses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_llmpar.structure import first_arg_name
+from lightning_llmpar.tensor_parallel.packing import Packing, to_packed
+
+__all__ = [
+    "SplitLinear",
+    "ReplicatedOnShards",
+    "ShardedNorm",
+    "SplitExperts",
+    "HeadSlice",
+    "PrepareFirstInput",
+    "GatherFirstOutput",
+    "is_conv1d",
+    "TOKEN",
+]
+
+TOKEN = "token"  # placeholder layout: Shard(token dim) of whatever the tensor is
+
+
+def _resolve(layout: Placement | str, tensor: Tensor) -> Placement:
+    return Shard(tensor.dim() - 2) if layout == TOKEN else layout  # type: ignore[return-value]
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2): a linear layer storing its weight as (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
+
+
+def _distribute(param: Tensor, mesh: DeviceMesh, placement: Placement, packing: Packing | None = None) -> nn.Parameter:
+    data = to_packed(param.detach(), packing) if packing is not None else param
+    return nn.Parameter(distribute_tensor(data, mesh, [placement]), requires_grad=param.requires_grad)
+
+
+def _to_dtensor(tensor: Tensor, mesh: DeviceMesh, current: Placement | str, desired: Placement | str) -> DTensor:
+    dt = tensor if isinstance(tensor, DTensor) else DTensor.from_local(tensor, mesh, (_resolve(current, tensor),), run_check=False)
+    target = _resolve(desired, tensor)
+    return dt if dt.placements == (target,) else dt.redistribute(placements=(target,))
+
+
+class SplitLinear(ParallelStyle):
+    """Column (``kind='col'``: by output features) or row (``'row'``: by input features) split of a Linear,
+    a transformers ``Conv1D`` (weight stored transposed) or a fused projection (``packing``: each rank holds
+    its slice of every piece). ``input``/``output``: layouts of the local tensors the model passes in and
+    gets back (``TOKEN`` for sequence-parallel activations); col output defaults to local features."""
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        input: Placement | str | None = None,
+        output: Placement | str | None = None,
+        packing: Packing | None = None,
+    ) -> None:
+        super().__init__()
+        if kind not in ("col", "row"):
+            raise ValueError(f"SplitLinear kind must be 'col' or 'row', got {kind!r}.")
+        self.kind, self.packing = kind, packing
+        self.input = input or (Replicate() if kind == "col" else Shard(-1))
+        self.output = output or (Shard(-1) if kind == "col" else Replicate())
+
+    def weight_placement(self, module: nn.Module) -> Placement:
+        out_dim = 1 if is_conv1d(module) else 0
+        return Shard(out_dim if self.kind == "col" else 1 - out_dim)
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        if name:  # distribute_module visits submodules too; only the projection itself is split
+            return
+        weight = self.weight_placement(module)
+        module.register_parameter("weight", _distribute(module.weight, mesh, weight, self.packing))
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, Tensor):
+            placement = Shard(0) if self.kind == "col" else Replicate()
+            packing = Packing(0, self.packing.sizes, self.packing.tp) if self.packing is not None else None
+            module.register_parameter("bias", _distribute(bias, mesh, placement, packing))
+
+    def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        desired = Replicate() if self.kind == "col" else Shard(-1)
+        return (_to_dtensor(inputs[0], mesh, self.input, desired), *inputs[1:])
+
+    def _prepare_output(self, module: nn.Module, output: DTensor, mesh: DeviceMesh) -> Tensor:
+        target = _resolve(self.output, output)
+        if output.placements != (target,):
+            output = output.redistribute(placements=(target,))
+        if self.kind == "row":
+            # Models add residuals into a projection's output in place (Falcon's `mlp_output += attn_output`);
+            # autograd forbids that on the view to_local returns, so hand out a tensor of its own.
+            return output.to_local().clone()
+        return output.to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not (isinstance(module, nn.Linear) or is_conv1d(module)):
+            raise ValueError(f"SplitLinear splits nn.Linear or transformers Conv1D layers, not {type(module).__name__}.")
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition,
+            lambda mod, inputs, mesh: self._prepare_input(mod, inputs, mesh),
+            lambda mod, outputs, mesh: self._prepare_output(mod, outputs, mesh),
+        )
+
+    def __repr__(self) -> str:
+        packed = f", packing={self.packing.sizes}" if self.packing is not None else ""
+        return f"SplitLinear({self.kind}, input={self.input}, output={self.output}{packed})"
+
+
+class ReplicatedOnShards(ParallelStyle):
+    """Whole (replicated) parameters applied to activations sharded along the dim ``from_end`` places from
+    the end: a norm on sequence-parallel tokens (``from_end=2``), a per-head q/k norm on this rank's heads
+    (``from_end=2`` of ``(batch, seq, heads, head_dim)``). DTensor sums the weight gradient over ranks."""
+
+    def __init__(self, from_end: int = 2) -> None:
+        super().__init__()
+        self.from_end = from_end
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, _distribute(param, mesh, Replicate()))
+
+    def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (Shard(x.dim() - self.from_end),), run_check=False)
+        return (x, *inputs[1:])
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition,
+            lambda mod, inputs, mesh: self._prepare_input(mod, inputs, mesh),
+            lambda mod, outputs, mesh: outputs.to_local() if isinstance(outputs, DTensor) else outputs,
+        )
+
+
+class ShardedNorm(ParallelStyle):
+    """A norm over the full width of a column-split projection (OLMo-2's q/k norms): its weight is split
+    like the features and the statistic is reduced over ranks by DTensor."""
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, _distribute(param, mesh, Shard(0)))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition,
+            lambda mod, inputs, mesh: (_to_dtensor(inputs[0], mesh, Shard(-1), Shard(-1)), *inputs[1:]),
+            lambda mod, outputs, mesh: outputs.to_local() if isinstance(outputs, DTensor) else outputs,
+        )
+
+
+def _identity_forward_sum_backward(tensor: Tensor, mesh: DeviceMesh) -> Tensor:
+    """Megatron's "f": the same tensor forward, gradients summed over the tensor-parallel ranks."""
+    return DTensor.from_local(tensor, mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
+
+
+class SplitExperts(ParallelStyle):
+    """Fused MoE experts (3-D ``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I)) split along each expert's
+    FFN width I: every rank runs every expert on its slice, so outputs are partial sums over ranks.
+
+    The module runs its own code on local tensors. Its token and routing-weight inputs get Megatron's
+    identity-forward / sum-backward, so the router (replicated) receives the full gradient; its output
+    is summed over ranks."""
+
+    def __init__(self, params: dict[str, tuple[int, Packing | None]]) -> None:
+        super().__init__()
+        self.params = params  # name -> (split dim, packing)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, (dim, packing) in self.params.items():
+            module.register_parameter(name, _distribute(getattr(module, name), device_mesh, Shard(dim), packing))
+        names = list(self.params)
+        held: dict[str, Tensor] = {}
+
+        def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            for name in names:
+                held[name] = mod._parameters[name]  # type: ignore[assignment]
+                mod._parameters[name] = held[name].to_local()  # type: ignore[assignment]
+            def f(a: Any) -> Any:  # tokens and routing weights: their gradients are partial per rank
+                floating = isinstance(a, Tensor) and a.is_floating_point()
+                return _identity_forward_sum_backward(a, device_mesh) if floating else a
+
+            return tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
+
+        def after(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            for name in names:
+                mod._parameters[name] = held.pop(name)  # type: ignore[assignment]
+            return _to_dtensor(output, device_mesh, Partial(), Replicate()).to_local()
+
+        module.register_forward_pre_hook(before, with_kwargs=True)
+        module.register_forward_hook(after, with_kwargs=True)
+        return module
+
+
+class HeadSlice(ParallelStyle):
+    """Per-head tensors built outside the attention for all heads (ALiBi biases, per-head masks): each rank
+    keeps its own heads. ``kwargs`` maps an argument name to ``(heads, dim, batch_major)``: the head dim of
+    the tensor, or, when ``batch_major``, heads folded into dim 0 as batch x heads (Bloom's ALiBi)."""
+
+    def __init__(self, kwargs: dict[str, tuple[int, int, bool]]) -> None:
+        super().__init__()
+        self.kwargs = kwargs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
+
+        def keep(tensor: Tensor, heads: int, dim: int, batch_major: bool) -> Tensor:
+            if not isinstance(tensor, Tensor):
+                return tensor
+            if batch_major:
+                folded = tensor.reshape(-1, heads, *tensor.shape[1:])
+                return folded.narrow(1, rank * heads // tp, heads // tp).reshape(-1, *tensor.shape[1:])
+            if tensor.dim() <= dim or tensor.shape[dim] != heads:
+                return tensor  # e.g. a mask shared by all heads
+            return tensor.narrow(dim, rank * heads // tp, heads // tp)
+
+        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            for name, spec in self.kwargs.items():
+                if name in kwargs:
+                    kwargs = {**kwargs, name: keep(kwargs[name], *spec)}
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class PrepareFirstInput(ParallelStyle):
+    """Redistribute only the first tensor argument of a module (positional or keyword).
+
+    ``PrepareModuleInput`` insists on a layout for every positional argument; blocks of real models
+    take extra arguments (masks, rotary tables) that must pass through untouched.
+    """
+
+    def __init__(self, current: Any, desired: Any) -> None:
+        super().__init__()
+        self.current, self.desired = current, desired
+
+    def _convert(self, tensor: Any, mesh: DeviceMesh) -> Any:
+        if tensor is None or not hasattr(tensor, "shape"):
+            return tensor
+        if self.desired == TOKEN and not isinstance(tensor, DTensor) and tensor.shape[tensor.dim() - 2] % mesh.size():
+            raise ValueError(
+                f"Sequence parallelism splits the sequence over tensor_parallel({mesh.size()}) ranks, but this"
+                f" batch has sequence length {tensor.shape[tensor.dim() - 2]}. Use lengths divisible by"
+                f" {mesh.size()}, or set sequence_parallel=False."
+            )
+        return _to_dtensor(tensor, mesh, self.current, self.desired).to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        first = first_arg_name(module)
+
+        def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (self._convert(args[0], device_mesh), *args[1:]), kwargs
+            if first in kwargs:
+                kwargs = {**kwargs, first: self._convert(kwargs[first], device_mesh)}
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class GatherFirstOutput(ParallelStyle):
+    """Redistribute the first tensor of a module's output (a tensor or a tuple led by one)."""
+
+    def __init__(self, current: Any, desired: Any) -> None:
+        super().__init__()
+        self.current, self.desired = current, desired
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def convert(tensor: Any) -> Any:
+            return _to_dtensor(tensor, device_mesh, self.current, self.desired).to_local()
+
+        def hook(_mod: nn.Module, _inputs: Any, output: Any) -> Any:
+            if isinstance(output, tuple):
+                return (convert(output[0]), *output[1:])
+            return convert(output)
+
+        module.register_forward_hook(hook)
+        return module
+
+
+def weight_placement(style: ParallelStyle | None, module: nn.Module) -> Placement | None:
+    """How ``style`` places ``module.weight`` (None: unknown), for checking that tied weights agree."""
+    if style is None:
+        return Replicate()
+    if isinstance(style, SplitLinear):
+        return None if style.packing is not None else style.weight_placement(module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if isinstance(module, nn.Embedding) and isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return Shard(1) if isinstance(style, ColwiseParallel) else Shard(0)
+    if isinstance(module, nn.Linear) and isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return Shard(0) if isinstance(style, ColwiseParallel) else Shard(1)
+    if isinstance(style, ReplicatedOnShards):
+        return Replicate()
+    return None
+

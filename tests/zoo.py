@@ -1,0 +1,178 @@
+"""A model zoo of third-party architectures, built offline from tiny configs, wrapped as a user would.
+
+Each entry is a transformers causal LM (random weights, every dropout off) inside a LightningModule that
+knows nothing about parallelism: dict batches, ``self.model(input_ids=..., labels=...).loss``. Many cases
+run inside one launch of the ranks (process start-up dominates tiny models), and the one-process
+reference of each model is computed once.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+VOCAB, SEQ, SAMPLES = 64, 16, 64
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=32)
+_NO_SDPA = {"gemma2", "bloom"}
+
+# name -> (config class, overrides); "_tied"/"_untied" suffixes flip tie_word_embeddings.
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 8}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "gemma2": ("Gemma2Config", {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 8}),
+    "phi3": ("Phi3Config", {"num_key_value_heads": 4, "pad_token_id": 0}),
+    "phi3_gqa": ("Phi3Config", {"pad_token_id": 0}),
+    "gpt2": ("GPT2Config", {"n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 32, "n_inner": 64}),
+    "gpt_neox": ("GPTNeoXConfig", {}),
+    "opt": ("OPTConfig", {"ffn_dim": 64, "word_embed_proj_dim": 32, "pad_token_id": 1}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "olmo2": ("Olmo2Config", {"pad_token_id": 0}),
+    "starcoder2": ("Starcoder2Config", {"sliding_window": None}),
+    "falcon": ("FalconConfig", {"new_decoder_architecture": True, "num_kv_heads": 2, "ffn_hidden_size": 64}),
+    "bloom": ("BloomConfig", {"n_layer": 4, "n_head": 4}),
+    "granite": ("GraniteConfig", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+}
+
+
+def make_config(name: str) -> Any:
+    import transformers
+
+    base = re.sub(r"_(tied|untied)$", "", name)
+    cls_name, overrides = FAMILIES[base]
+    cls = getattr(transformers, cls_name)
+    kwargs = {**_COMMON, **overrides}
+    if name.endswith("_tied") or name.endswith("_untied"):
+        kwargs["tie_word_embeddings"] = name.endswith("_tied")
+    config = cls(**kwargs)
+    for key, value in list(vars(config).items()):  # every dropout off, before the model copies the rates
+        if isinstance(value, float) and (re.search(r"(dropout|pdrop)$", key) or key == "layerdrop"):
+            setattr(config, key, 0.0)
+    config._attn_implementation = "eager" if base in _NO_SDPA else "sdpa"
+    config.use_cache = False
+    return config
+
+
+class HFCausalLM(LightningModule):
+    """How a user fine-tunes a transformers causal LM with Lightning, for one device."""
+
+    def __init__(self, name: str, lr: float = 0.5, sgd: bool = True) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.lr, self.sgd = lr, sgd
+        self.model = AutoModelForCausalLM.from_config(make_config(name))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.sgd:  # SGD: a wrong gradient scale shows in the loss (Adam would hide it)
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class _Tokens(Dataset):
+    def __init__(self, n: int, seed: int = 1234) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(2, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class DictTokenData(LightningDataModule):
+    """Dict batches in a fixed order: data-parallel rank r takes samples r, r+dp, ... (no shuffling)."""
+
+    def __init__(self, batch_size: int, n: int = SAMPLES) -> None:
+        super().__init__()
+        self.data, self.batch_size = _Tokens(n), batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        sampler = DistributedSampler(self.data, shuffle=False, **kwargs) if kwargs else None
+        return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler, drop_last=True)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+class Record(Callback):
+    """Per-step loss and the first step's full gradients, named and laid out as one process has them."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if self.grads:
+            return
+        from lightning_llmpar.tensor_parallel.packing import to_canonical
+
+        strategy = trainer.strategy
+        packings = getattr(strategy, "packings", {})
+        aliases = getattr(strategy, "tied_aliases", {})
+        for name, p in pl_module.named_parameters():
+            if p.grad is None:
+                continue
+            grad = full(p.grad).cpu()
+            if name in packings:
+                grad = to_canonical(grad, packings[name])
+            self.grads[aliases.get(name, name)] = grad
+
+
+def fit_case(name: str, strategy_kwargs: dict[str, Any] | None, batch_size: int, steps: int = 6) -> dict[str, Any]:
+    """Train zoo model ``name`` for ``steps``; ``strategy_kwargs=None`` is the one-process reference."""
+    import os
+
+    from lightning_llmpar import LLMParallelStrategy
+
+    seed_everything(0, verbose=False)
+    module = HFCausalLM(name)
+    total = sum(p.numel() for p in module.parameters())
+    record = Record()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1 if strategy_kwargs is None else world,
+        strategy="auto" if strategy_kwargs is None else LLMParallelStrategy(**strategy_kwargs),
+        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, callbacks=[record],
+    )
+    trainer.fit(module, datamodule=DictTokenData(batch_size))
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())
+    return {"losses": record.losses, "grads": record.grads, "held": held / total}
+
+
+def fit_cases(cases: list[tuple[str, dict[str, Any] | None, int]]) -> dict[tuple[str, str], Any]:
+    """Run several (model, strategy kwargs, per-rank batch) cases in this launch; errors are reported per case."""
+    import os
+    import traceback
+
+    env = dict(os.environ)  # Lightning's cluster environment removes WORLD_SIZE at teardown
+    results: dict[tuple[str, str], Any] = {}
+    for name, kwargs, batch_size in cases:
+        os.environ.update(env)
+        key = (name, repr(kwargs))
+        try:
+            results[key] = fit_case(name, kwargs, batch_size)
+        except Exception:  # noqa: BLE001 - one failing model must not hide the others' results
+            results[key] = {"error": traceback.format_exc()}
+    return results
