@@ -2,6 +2,7 @@
 
 from lightning_llmpar.activation_checkpoint import ActivationCheckpointing
 from lightning_llmpar.checkpoint import export_consolidated
+from lightning_llmpar.hf_checkpoint import HFCheckpointExport, load_hf_checkpoint, save_hf_checkpoint
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.parallelize import ParallelConfig, parallelize
 from lightning_llmpar.precision import BF16Precision, FP8Precision, FP16Precision
@@ -20,6 +21,9 @@ __all__ = [
     "ParallelConfig",
     "parallelize",
     "export_consolidated",
+    "save_hf_checkpoint",
+    "load_hf_checkpoint",
+    "HFCheckpointExport",
     "PRESETS",
     "__version__",
 ]

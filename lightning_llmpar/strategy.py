@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -21,7 +21,6 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
@@ -44,11 +43,14 @@ from lightning_llmpar.clip import clip_grad_norm_
 from lightning_llmpar.compression import CompressionConfig
 from lightning_llmpar.compression_hooks import GradientCompression, apply_gradient_compression
 from lightning_llmpar.data_parallel import no_gradient_sync
+from lightning_llmpar.hf_checkpoint import check_hf_directory, load_hf_checkpoint
 from lightning_llmpar.layout import ZERO_STAGES, ParallelLayout
+from lightning_llmpar.materialize import materialize
 from lightning_llmpar.parallelize import ParallelConfig, Parallelized, parallelize
 from lightning_llmpar.pipeline_setup import PipelineConfig, build_pipeline
 from lightning_llmpar.pipeline_step import PipelineRunner
 from lightning_llmpar.tensor_parallel import Packing
+from lightning_llmpar.ties import find_tied_weights
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -104,6 +106,10 @@ class LLMParallelStrategy(ParallelStrategy):
         gradient_compression: compress the data-parallel gradient sync: 'fp16', 'bf16', 'int8', 'topk',
             'powersgd', or a dict such as ``{"method": "powersgd", "rank": 4, "start_step": 10}`` (see
             docs/compression.md). With sharding_backend='deepspeed': 'onebit_adam' or 'zero_one_adam'.
+        hf_checkpoint: a local Hugging Face model directory (config.json + safetensors) loaded into the
+            transformers model inside the LightningModule after parallelization, each rank reading only
+            the slices it holds. Build the module on the meta device (``trainer.init_module(empty_init=True)``
+            or in ``configure_model``) so no rank ever holds the whole model (see docs/huggingface.md).
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
     """
 
@@ -128,6 +134,7 @@ class LLMParallelStrategy(ParallelStrategy):
         offload_optimizer: str | None = None,
         offload_parameters: str | None = None,
         gradient_compression: str | dict[str, Any] | None = None,
+        hf_checkpoint: str | None = None,
         start_method: _START_METHOD = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -187,6 +194,7 @@ class LLMParallelStrategy(ParallelStrategy):
                 f"gradient_compression={gradient_compression!r} configures the 'fsdp2' backend's compressors; with"
                 " sharding_backend='deepspeed' use 'onebit_adam' or 'zero_one_adam'."
             )
+        self.hf_checkpoint = str(check_hf_directory(hf_checkpoint)) if hf_checkpoint is not None else None
         if start_method not in get_args(_START_METHOD):
             raise ValueError(f"`start_method` must be one of {get_args(_START_METHOD)}, got {start_method!r}.")
         if tp_plan is not None and not isinstance(tp_plan, Mapping):
@@ -340,9 +348,13 @@ class LLMParallelStrategy(ParallelStrategy):
                     self._parallelized.fsdp_roots, self.device_mesh, self.layout, compression
                 )
             module._llmpar_parallelized = (self.layout, self._runner, self._parallelized, self._compression)
-        _materialize_distributed_module(module, self.root_device)
-        if self._runner is not None and self._runner.ties is not None:
-            self._runner.ties.make_equal()
+            # Weights built on the meta device get memory now, for this rank's shards only (ties as they stand
+            # after sharding: to_empty gives every name its own memory).
+            materialize(module, self.root_device, find_tied_weights(module))
+            if self.hf_checkpoint is not None:
+                load_hf_checkpoint(module, self.hf_checkpoint, self._parallelized.packings, self._aliases())
+            if self._runner is not None and self._runner.ties is not None:
+                self._runner.ties.make_equal()
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
         self.barrier()
@@ -364,6 +376,15 @@ class LLMParallelStrategy(ParallelStrategy):
         self.parallel_config = dataclasses.replace(
             self.parallel_config, mp_policy=policy, always_shard=bool(getattr(precision, "needs_sharding_wrapper", False))
         )
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # Meta device: real memory is allocated after parallelization, for each rank's shards only. When
+        # Lightning lets the strategy decide (configure_model) and weights come from hf_checkpoint, meta too.
+        meta = empty_init or (empty_init is None and self.hf_checkpoint is not None)
+        with torch.device("meta") if meta else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
 
     @override
     def model_to_device(self) -> None:

@@ -9,6 +9,7 @@ reference of each model is computed once.
 from __future__ import annotations
 
 import re
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -138,41 +139,91 @@ class Record(Callback):
             self.grads[aliases.get(name, name)] = grad
 
 
-def fit_case(name: str, strategy_kwargs: dict[str, Any] | None, batch_size: int, steps: int = 6) -> dict[str, Any]:
-    """Train zoo model ``name`` for ``steps``; ``strategy_kwargs=None`` is the one-process reference."""
+def fit_case(
+    name: str,
+    strategy_kwargs: dict[str, Any] | None,
+    batch_size: int,
+    steps: int = 6,
+    *,
+    meta: bool = False,
+    pretrained: str | None = None,
+    save_hf: str | None = None,
+    save_to: str | None = None,
+    ckpt_path: str | None = None,
+    sgd: bool = True,
+) -> dict[str, Any]:
+    """Train zoo model ``name`` for ``steps``; ``strategy_kwargs=None`` is the one-process reference.
+
+    ``pretrained``: a transformers directory, loaded by ``from_pretrained`` in the reference and through the
+    strategy's ``hf_checkpoint`` otherwise (built on the meta device with ``meta``); ``save_hf``: export the
+    trained model there; ``save_to`` / ``ckpt_path``: write / resume a Lightning checkpoint.
+    """
     import os
 
-    from lightning_llmpar import LLMParallelStrategy
+    from lightning_llmpar import LLMParallelStrategy, save_hf_checkpoint
 
     seed_everything(0, verbose=False)
-    module = HFCausalLM(name)
-    total = sum(p.numel() for p in module.parameters())
     record = Record()
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    kwargs = dict(strategy_kwargs or {})
+    if pretrained is not None and strategy_kwargs is not None:
+        kwargs["hf_checkpoint"] = pretrained
     trainer = Trainer(
         accelerator="cpu",
         devices=1 if strategy_kwargs is None else world,
-        strategy="auto" if strategy_kwargs is None else LLMParallelStrategy(**strategy_kwargs),
+        strategy="auto" if strategy_kwargs is None else LLMParallelStrategy(**kwargs),
         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, callbacks=[record],
     )
-    trainer.fit(module, datamodule=DictTokenData(batch_size))
+    with trainer.init_module(empty_init=meta) if strategy_kwargs is not None else nullcontext():
+        module = HFCausalLM(name, sgd=sgd)
+    total = sum(p.numel() for p in module.parameters())
+    if pretrained is not None and strategy_kwargs is None:
+        from transformers import AutoModelForCausalLM
+
+        module.model = AutoModelForCausalLM.from_pretrained(pretrained, config=module.model.config)
+    trainer.fit(module, datamodule=DictTokenData(batch_size), ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    if save_hf is not None:
+        if strategy_kwargs is None:
+            module.model.save_pretrained(save_hf)
+        else:
+            save_hf_checkpoint(trainer, save_hf)
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())
     return {"losses": record.losses, "grads": record.grads, "held": held / total}
 
 
-def fit_cases(cases: list[tuple[str, dict[str, Any] | None, int]]) -> dict[tuple[str, str], Any]:
-    """Run several (model, strategy kwargs, per-rank batch) cases in this launch; errors are reported per case."""
+def logits_of(directory: str) -> torch.Tensor:
+    """Logits of a saved transformers directory on a fixed input, in one process."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    ids = (torch.arange(SEQ).reshape(1, SEQ) * 7) % (VOCAB - 2) + 2
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def save_pretrained(name: str, directory: str, seed: int = 42) -> None:
+    """A small "pretrained" checkpoint of zoo model ``name``, written as users receive them."""
+    torch.manual_seed(seed)
+    HFCausalLM(name).model.save_pretrained(directory)
+
+
+def fit_cases(cases: list[tuple]) -> dict[tuple[str, str], Any]:
+    """Run several (model, strategy kwargs, per-rank batch[, fit_case options]) cases in this launch; errors are
+    reported per case."""
     import os
     import traceback
 
     env = dict(os.environ)  # Lightning's cluster environment removes WORLD_SIZE at teardown
     results: dict[tuple[str, str], Any] = {}
-    for name, kwargs, batch_size in cases:
+    for name, kwargs, batch_size, *extra in cases:
         os.environ.update(env)
-        key = (name, repr(kwargs))
+        options = dict(extra[0]) if extra else {}
+        key = (name, options.pop("tag", repr(kwargs)))
         try:
-            results[key] = fit_case(name, kwargs, batch_size)
+            results[key] = fit_case(name, kwargs, batch_size, **options)
         except Exception:  # noqa: BLE001 - one failing model must not hide the others' results
             results[key] = {"error": traceback.format_exc()}
     return results
