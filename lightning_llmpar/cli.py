@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import WandbLogger
@@ -12,17 +13,23 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lightning_llmpar  # noqa: F401 - registers the strategy names
 from lightning_llmpar.callbacks import ThroughputAndMemory
-from lightning_llmpar.data import CorpusDataModule
-from lightning_llmpar.models import GPTModule
 from lightning_llmpar.pipeline_timeline import PipelineTimeline
 
 __all__ = ["LLMParCLI", "main", "console"]
 
 
 class LLMParCLI(LightningCLI):
+    """Any LightningModule and DataModule (``--model my_pkg.MyModule --data my_pkg.MyData``); the example GPT and
+    the offline corpus are the defaults, so configs that only set their arguments keep working."""
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("data.block_size", "model.block_size")
-        parser.link_arguments("trainer.max_steps", "model.total_steps")
+        parser.set_defaults({
+            "model": {"class_path": "lightning_llmpar.models.GPTModule"},
+            "data": {"class_path": "lightning_llmpar.data.CorpusDataModule"},
+        })
+        # Applied when the chosen classes take these arguments (the example GPT's rotary tables, schedules).
+        parser.link_arguments("data.init_args.block_size", "model.init_args.block_size")
+        parser.link_arguments("trainer.max_steps", "model.init_args.total_steps")
 
     def after_fit(self) -> None:
         self._report()
@@ -52,8 +59,10 @@ def main(args: list[str] | None = None, run: bool = True) -> LLMParCLI:
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     return LLMParCLI(
-        GPTModule,
-        CorpusDataModule,
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
         seed_everything_default=1234,
         save_config_kwargs={"overwrite": True},
         trainer_defaults={

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lightning_llmpar import LLMParallelStrategy
@@ -64,17 +65,50 @@ def test_cli_override_to_pipeline_parallel_draws_the_timeline(tmp_path: Path) ->
     _assert_logged(report, ("train/loss", "val/ppl", "pipeline/bubble_fraction", "pipeline/timeline"))
 
 
+@pytest.fixture(scope="module")
+def tiny_pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example's "pretrained" Hugging Face checkpoint, written offline as its header says."""
+    out = tmp_path_factory.mktemp("hf") / "tiny-qwen3"
+    subprocess.run([sys.executable, "-m", "lightning_llmpar.models.hf", str(ROOT / "examples/hf/tiny-qwen3"), str(out)],
+                   check=True, capture_output=True, timeout=300)
+    return out
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
-def test_example_configs_build_a_valid_trainer(config: Path) -> None:
+def test_example_configs_build_a_valid_trainer(config: Path, tiny_pretrained: Path) -> None:
     # The real parser instantiates model, data and Trainer; the strategy validates its layout
     # against the config's device count at Trainer construction.
-    cli = main(["--config", str(config)], run=False)
+    spec = yaml.safe_load(config.read_text())["trainer"]
+    extra = []
+    if "hf_checkpoint" in spec["strategy"]["init_args"]:
+        extra = ["--trainer.strategy.hf_checkpoint", str(tiny_pretrained)]
+    cli = main(["--config", str(config), *extra], run=False)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, LLMParallelStrategy)
-    spec = yaml.safe_load(config.read_text())["trainer"]
     assert strategy.layout.world_size == spec["devices"]
     degrees = spec["strategy"]["init_args"]
     assert strategy.layout.tp == degrees.get("tensor_parallel", 1)
     assert strategy.layout.zero_stage == degrees.get("zero_stage", 0)
     for plugin in spec.get("plugins", []):
         assert type(cli.trainer.precision_plugin).__name__ == plugin["class_path"].rsplit(".", 1)[1]
+
+
+def test_hugging_face_example_fine_tunes_and_exports(tmp_path: Path, tiny_pretrained: Path) -> None:
+    # The documented workflow: pretrained weights read per rank at tp2 x pp2, fine-tuned, exported, and the
+    # export loads in one process with transformers alone.
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    out = tmp_path / "finetuned"
+    args = ["fit", "--config", str(ROOT / "examples/configs/hf_qwen3.yaml"), "--trainer.strategy.hf_checkpoint",
+            str(tiny_pretrained), "--trainer.callbacks.dirpath", str(out), "--model.model",
+            str(ROOT / "examples/hf/tiny-qwen3"), "--trainer.max_steps", "4", "--trainer.val_check_interval", "2",
+            "--trainer.limit_val_batches", "1", "--data.max_bytes", "200000"]
+    result = subprocess.run([sys.executable, "-m", "lightning_llmpar.cli", *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(out)
+    before = AutoModelForCausalLM.from_pretrained(tiny_pretrained)
+    changed = [n for (n, a), (_, b) in zip(trained.named_parameters(), before.named_parameters()) if not torch.equal(a, b)]
+    assert len(changed) == len(list(before.parameters())), "every weight was trained and exported"
+    assert trained.lm_head.weight is trained.model.embed_tokens.weight  # still tied

@@ -1,0 +1,107 @@
+"""Fine-tune a Hugging Face causal LM with Lightning: the module a user writes for one device, nothing more.
+
+The model is built in ``configure_model`` from a local directory's config.json, so under LLMParallelStrategy
+with ``hf_checkpoint`` it is created on the meta device and each rank loads only its slices of the weights.
+Batches are dicts (``input_ids``, ``labels``, optional ``attention_mask``: transformers' own loss) or
+``(inputs, targets)`` pairs such as the bundled corpus yields.
+
+``python -m lightning_llmpar.models.hf CONFIG_DIR OUT_DIR`` writes a randomly initialized "pretrained"
+checkpoint of that config (config.json + safetensors), offline, to try the workflow without a download.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor
+
+__all__ = ["HFCausalLM", "write_random_checkpoint"]
+
+
+class HFCausalLM(LightningModule):
+    """A transformers causal LM (``AutoModelForCausalLM``) built from ``model`` (a directory with config.json).
+
+    Args:
+        model: local directory holding the model's config.json (weights, if any, come from the strategy's
+            ``hf_checkpoint``, usually the same directory).
+        learning_rate, weight_decay, warmup_steps, total_steps: AdamW with linear warm-up and cosine decay.
+        attn_implementation: transformers attention backend ('sdpa', 'eager', ...).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        learning_rate: float = 1e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 10,
+        total_steps: int = 1000,
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model: Any = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(self.hparams.model)
+        try:
+            self.model = AutoModelForCausalLM.from_config(config, attn_implementation=self.hparams.attn_implementation)
+        except ValueError:  # a family without this attention backend (Gemma-2, Bloom: eager only)
+            self.model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+    def _loss(self, batch: Any) -> Tensor:
+        if isinstance(batch, dict):
+            return self.model(**batch).loss
+        inputs, targets = batch
+        logits = self.model(input_ids=inputs).logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.log("val/loss", loss, sync_dist=True)
+        self.log("val/ppl", torch.exp(loss), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(self.parameters(), lr=hp.learning_rate, weight_decay=hp.weight_decay)
+
+        def schedule(step: int) -> float:
+            if step < hp.warmup_steps:
+                return (step + 1) / hp.warmup_steps
+            progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.total_steps - hp.warmup_steps))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def write_random_checkpoint(config_dir: str, out_dir: str, seed: int = 0) -> None:
+    """A randomly initialized checkpoint of ``config_dir``'s model, written with save_pretrained (offline)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=write_random_checkpoint.__doc__)
+    parser.add_argument("config_dir")
+    parser.add_argument("out_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    write_random_checkpoint(args.config_dir, args.out_dir, args.seed)
+    print(f"wrote {args.out_dir}")
