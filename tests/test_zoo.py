@@ -84,3 +84,18 @@ def test_two_ranks_match_one_process(model: str, layout: str, references: dict, 
 @pytest.mark.parametrize("model", MODELS)
 def test_four_ranks_match_one_process(model: str, layout: str, references: dict, four_rank_runs: dict) -> None:
     assert_exact(references[model], four_rank_runs[(model, layout)])
+
+
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+
+
+def test_tied_weights_stay_tied_under_every_schedule_and_zero(references: dict) -> None:
+    # Stage copies of a tied embedding/head: on two ranks (interleaved) or on one rank (V-shaped schedules),
+    # alone and with the stages sharded by ZeRO.
+    two = [("llama_tied", {"pipeline_parallel": 2, "pipeline_schedule": s}, GLOBAL_BATCH) for s in SCHEDULES]
+    four = [("llama_tied", {"pipeline_parallel": 2, "zero_stage": 3}, GLOBAL_BATCH // 2),
+            ("llama_tied", {"pipeline_parallel": 2, "zero_stage": 2, "pipeline_schedule": "ZBVZeroBubble"}, GLOBAL_BATCH // 2)]
+    for cases, world in ((two, 2), (four, 4)):
+        outs = run_ranks(fit_cases, world, cases, timeout=900)
+        for name, kwargs, _ in cases:
+            assert_exact(references[name], [o[(name, repr(kwargs))] for o in outs])
