@@ -8,6 +8,7 @@ from lightning_llmpar.parallelize import ParallelConfig, parallelize
 from lightning_llmpar.precision import BF16Precision, FP8Precision, FP16Precision
 from lightning_llmpar.registry import PRESETS, register_strategies
 from lightning_llmpar.strategy import LLMParallelStrategy
+from lightning_llmpar.verify import ParityReport, verify_parity
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,8 @@ __all__ = [
     "save_hf_checkpoint",
     "load_hf_checkpoint",
     "HFCheckpointExport",
+    "verify_parity",
+    "ParityReport",
     "PRESETS",
     "__version__",
 ]

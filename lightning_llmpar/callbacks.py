@@ -13,6 +13,7 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
+from lightning_llmpar.batches import batch_tokens, first_tensor
 from lightning_llmpar.precision import compute_dtype
 from lightning_llmpar.structure import find_block_stack
 
@@ -90,8 +91,7 @@ class ThroughputAndMemory(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
-        self._tokens += int(inputs.numel())
+        self._tokens += batch_tokens(batch)
         # Only right after an optimizer step, and every `log_every_n_steps` of them.
         every = self.every or trainer.log_every_n_steps
         if (batch_idx + 1) % trainer.accumulate_grad_batches or trainer.global_step % every:
@@ -104,7 +104,9 @@ class ThroughputAndMemory(Callback):
         if self.flops_per_token is None:
             runner = getattr(trainer.strategy, "pipeline_runner", None)
             group = runner.pp_group if runner is not None else None
-            self.flops_per_token = model_flops_per_token(pl_module, int(inputs.shape[-1]), group)
+            inputs = first_tensor(batch)
+            seq_len = int(inputs.shape[-1]) if inputs is not None and inputs.dim() > 1 else 1
+            self.flops_per_token = model_flops_per_token(pl_module, seq_len, group)
         per_device = self.flops_per_token * tokens_per_sec / trainer.world_size
         pl_module.log("perf/tflops_per_device", per_device / 1e12, rank_zero_only=True)
         if self.peak_flops:

@@ -8,6 +8,8 @@ every rank has finished, so a crash never leaves a half-written checkpoint under
 
 from __future__ import annotations
 
+import pathlib
+import pickle
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -165,28 +167,55 @@ def write_distributed(
         torch.save(meta, folder / META_FILE)
 
 
+# Besides what torch's safe loader allows: paths, which hyperparameters often hold (they cannot run code).
+_SAFE_GLOBALS = [pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath]
+
+
+def read_meta(path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+    """Everything but the tensors. Unpickled with torch's safe loader unless ``weights_only=False`` is passed."""
+    file = Path(path) / META_FILE
+    try:
+        with torch.serialization.safe_globals(_SAFE_GLOBALS):
+            return torch.load(file, map_location="cpu", weights_only=True if weights_only is None else weights_only)
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"{file} holds objects torch's safe loader does not allow ({str(err).splitlines()[0]}). If you trust this"
+            " checkpoint, load it with weights_only=False (e.g. trainer.fit(model, ckpt_path=..., weights_only=False))."
+        ) from err
+
+
 def load_checkpoint(
     path: str | Path,
     model: nn.Module,
     optimizers: Sequence[Optimizer],
     aliases: Mapping[str, str] | None = None,
     packings: Mapping[str, Packing] | None = None,
+    *,
+    weights_only: bool | None = None,
+    strict: bool = True,
 ) -> dict[str, Any]:
-    """Load shards into ``model``/``optimizers`` in whatever layout they are now; return the meta dict."""
+    """Load shards into ``model``/``optimizers`` in whatever layout they are now; return the meta dict.
+
+    ``strict=False`` (a LightningModule's ``strict_loading``) loads what the checkpoint and the model share.
+    Optimizer state is loaded only if the checkpoint has it (not one saved with ``save_weights_only``).
+    """
     path = Path(path)
     if not is_checkpoint(path):
         raise FileNotFoundError(
             f"{path} is not a complete llmpar checkpoint (a folder with '.metadata' and '{META_FILE}')."
         )
+    meta = read_meta(path, weights_only)
+    if not meta.get("llmpar_optimizer_state", True):
+        optimizers = []
     aliases = aliases or {}
     state = _tensor_state(model, optimizers, aliases, packings or {})
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, _unwrap(state["model"]))
+    dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    set_model_state_dict(model, _unwrap(state["model"]), options=StateDictOptions(strict=strict))
     local = {name for name, _ in model.named_parameters()}
     for i, opt in enumerate(optimizers):
         optim = _restore_copies(_unwrap(state[f"optimizer_{i}"]), aliases, local)
         set_optimizer_state_dict(model, opt, optim, options=_OPTIM_OPTIONS)
-    return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    return meta
 
 
 def export_consolidated(path: str | Path, output: str | Path) -> Path:

@@ -82,8 +82,40 @@ def main(args: list[str] | None = None, run: bool = True) -> LLMParCLI:
     )
 
 
+def verify(args: list[str]) -> int:
+    """`llmpar verify --config my.yaml`: the parity self-check of a `llmpar fit` config (see lightning_llmpar.verify)."""
+    import argparse
+
+    from lightning_llmpar.verify import verify_parity
+
+    parser = argparse.ArgumentParser(prog="llmpar verify", description=verify.__doc__)
+    parser.add_argument("--config", required=True, help="a llmpar fit config (model, data, trainer.strategy, devices)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="relative, per step and per parameter")
+    parser.add_argument("--lr", type=float, default=1e-2, help="SGD learning rate of both runs")
+    parser.add_argument("--devices", type=int, default=None, help="processes for the layout (default: the config's)")
+    opts, overrides = parser.parse_known_args(args)
+    if opts.devices is not None:
+        overrides += ["--trainer.devices", str(opts.devices)]
+    cli = main(["--config", opts.config, *overrides], run=False)
+    cfg = cli.config
+    strategy = cfg.trainer.strategy
+    if not (isinstance(strategy, dict) or hasattr(strategy, "init_args")):
+        raise ValueError("llmpar verify needs trainer.strategy: an LLMParallelStrategy with its init_args.")
+    report = verify_parity(
+        cfg.model.class_path, cfg.data.class_path, dict(strategy.init_args), int(cfg.trainer.devices),
+        model_kwargs=dict(cfg.model.init_args), data_kwargs=dict(cfg.data.init_args), steps=opts.steps,
+        tolerance=opts.tolerance, lr=opts.lr, accelerator=str(cfg.trainer.accelerator or "cpu"),
+    )
+    return 0 if report.passed else 1
+
+
 def console() -> None:
     """Entry point of the `llmpar` command (returns nothing, so the exit status is 0 on success)."""
+    import sys
+
+    if sys.argv[1:2] == ["verify"]:
+        sys.exit(verify(sys.argv[2:]))
     main()
 
 

@@ -6,19 +6,20 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler
 
 __all__ = ["ResumableDistributedSampler"]
 
 
-class ResumableDistributedSampler(Sampler[int]):
+class ResumableDistributedSampler(DistributedSampler):
     """Shuffles the whole dataset per epoch (seed + epoch), deals it to data-parallel ranks, and can start
     after the first ``consumed`` samples of the epoch (counted over all ranks).
 
     The consumed samples are a prefix of the epoch's global order, so resuming deals out exactly the
     rest, also under a different number of data-parallel ranks. Build it with the strategy's
-    ``distributed_sampler_kwargs`` and ``Trainer(use_distributed_sampler=False)``; the
-    ``FaultTolerantCheckpoint`` callback saves and restores its position.
+    ``distributed_sampler_kwargs``; being a ``DistributedSampler``, Lightning keeps it as it is (whatever
+    ``use_distributed_sampler`` says) and sets its epoch. The ``FaultTolerantCheckpoint`` callback saves and
+    restores its position.
     """
 
     def __init__(self, dataset: Sized, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0) -> None:
@@ -29,6 +30,8 @@ class ResumableDistributedSampler(Sampler[int]):
         self.epoch = 0
         self.consumed = 0  # samples of this epoch already trained on, over all ranks
         self.total = (len(dataset) // num_replicas) * num_replicas  # equal share per rank, like drop_last
+        # DistributedSampler's own fields, for code that reads them.
+        self.drop_last, self.total_size, self.num_samples = True, self.total, self.total // num_replicas
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:

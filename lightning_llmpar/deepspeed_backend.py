@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["build_deepspeed_config", "check_deepspeed_layout", "check_nvme", "DS_COMPRESSION"]
+__all__ = ["build_deepspeed_config", "check_deepspeed_layout", "check_nvme", "deepspeed_precision", "DS_COMPRESSION"]
 
 # DeepSpeed's compressed-communication optimizers, by the name `gradient_compression` takes.
 DS_COMPRESSION = {"onebit_adam": "OneBitAdam", "zero_one_adam": "ZeroOneAdam"}
@@ -40,6 +41,35 @@ def _agree(user: dict[str, Any], key: str, ours: Any, what: str, fix: str) -> No
         )
 
 
+def deepspeed_precision(plugin: Any) -> dict[str, Any]:
+    """The engine's own precision sections for one of our precision plugins (the engine then scales, casts and
+    skips overflowed steps itself): FP16Precision -> fp16 with its dynamic loss scaler (same initial scale,
+    growth interval and back-off), BF16Precision 'true' -> bf16 weights with fp32 masters, 'mixed' -> torch
+    autocast in bf16. FP8 has no DeepSpeed equivalent."""
+    from lightning_llmpar.precision import BF16Precision, FP8Precision, FP16Precision
+
+    if plugin is None or type(plugin).__name__ in ("Precision", "DoublePrecision"):
+        return {}
+    if isinstance(plugin, FP16Precision):
+        from deepspeed.accelerator import get_accelerator
+
+        if not get_accelerator().is_fp16_supported():
+            raise ValueError(
+                f"FP16Precision with sharding_backend='deepspeed' runs DeepSpeed's fp16 mode, which"
+                f" {get_accelerator().device_name()} does not support here. Use BF16Precision, or the 'fsdp2' backend."
+            )
+        scaler = plugin.scaler
+        return {"fp16": {"enabled": True, "initial_scale_power": int(math.log2(scaler.get_scale())),
+                         "loss_scale_window": scaler.get_growth_interval(), "hysteresis": 1, "min_loss_scale": 1}}
+    if isinstance(plugin, BF16Precision):
+        if plugin.mode == "true":
+            return {"bf16": {"enabled": True}}
+        return {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+    if isinstance(plugin, FP8Precision):
+        raise ValueError("FP8Precision has no DeepSpeed equivalent: use sharding_backend='fsdp2' (the default) for FP8.")
+    raise ValueError(f"{type(plugin).__name__} has no DeepSpeed equivalent; use BF16Precision or FP16Precision.")
+
+
 def build_deepspeed_config(
     *,
     zero_stage: int,
@@ -51,6 +81,7 @@ def build_deepspeed_config(
     micro_batch_size: int = 1,
     accumulate: int = 1,
     num_params: int | None = None,
+    precision: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config for this run: the user's config plus ours, refusing any contradiction."""
     user = _load(user_config)
@@ -79,12 +110,13 @@ def build_deepspeed_config(
         for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
             zero.setdefault(key, bucket)
     config["zero_optimization"] = zero
-    for section in ("fp16", "bf16"):
+    for section in ("fp16", "bf16", "torch_autocast"):
         if user.get(section, {}).get("enabled"):
             raise ValueError(
-                f"The DeepSpeed config enables {section}; precision comes from the Trainer (precision=...)."
-                f" Remove the {section!r} section."
+                f"The DeepSpeed config enables {section}; precision comes from the Trainer (precision=... or"
+                f" plugins=[BF16Precision()/FP16Precision()]). Remove the {section!r} section."
             )
+    config.update(precision or {})
     if "gradient_accumulation_steps" in user and user["gradient_accumulation_steps"] != 1:
         raise ValueError(
             "The DeepSpeed config sets gradient_accumulation_steps; use Trainer(accumulate_grad_batches=...) instead."

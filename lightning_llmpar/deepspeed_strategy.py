@@ -10,13 +10,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
+
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_llmpar.deepspeed_backend import build_deepspeed_config, check_deepspeed_layout, check_nvme
+from lightning_llmpar.deepspeed_backend import (
+    build_deepspeed_config,
+    check_deepspeed_layout,
+    check_nvme,
+    deepspeed_precision,
+)
+from lightning_llmpar.precision import mesh_precision
 from lightning_llmpar.strategy import LLMParallelStrategy
 
 if TYPE_CHECKING:
@@ -27,8 +36,39 @@ __all__ = ["LLMDeepSpeedStrategy", "DS_TAG"]
 DS_TAG = "ckpt"  # one tag per checkpoint folder; the folder name carries the step
 
 
+class _EnginePrecision(Precision):
+    """Lightning's side of a DeepSpeed run whose engine does the precision work: report the compute dtype, and
+    cast floating inputs to the weights' dtype when the engine holds fp16/bf16 weights."""
+
+    def __init__(self, compute_dtype: torch.dtype, cast_inputs: bool) -> None:
+        self.compute_dtype, self.cast_inputs = compute_dtype, cast_inputs
+
+    def convert_input(self, data: Any) -> Any:
+        if not self.cast_inputs:
+            return data
+        from lightning.fabric.utilities.apply_func import apply_to_collection
+
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
+
+
 class LLMDeepSpeedStrategy(LLMParallelStrategy):
     """What ``LLMParallelStrategy(sharding_backend="deepspeed", ...)`` becomes at construction."""
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        # The engine runs precision itself (fp16 with its loss scaler, bf16, autocast); Lightning's side must not
+        # scale or cast again, so the plugin becomes a pass-through that remembers the compute dtype.
+        plugin = mesh_precision(precision_plugin)
+        self._ds_precision = deepspeed_precision(plugin)
+        cast = "fp16" in self._ds_precision or "bf16" in self._ds_precision
+        dtype = getattr(plugin, "compute_dtype", torch.float32)
+        self._precision_plugin = _EnginePrecision(dtype, cast) if plugin is not None else None
 
     def _init_backend(self) -> None:
         layout_args = self._degrees
@@ -77,6 +117,7 @@ class LLMDeepSpeedStrategy(LLMParallelStrategy):
             gradient_clipping=float(clip) if clip else None,
             accumulate=trainer.accumulate_grad_batches,
             num_params=sum(p.numel() for p in module.parameters()),
+            precision=getattr(self, "_ds_precision", {}),
             **self._ds_static(),
         )
         self.engine, ds_optimizer, _, _ = deepspeed.initialize(

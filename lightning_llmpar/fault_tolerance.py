@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+import zipfile
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_llmpar.batches import batch_size
 from lightning_llmpar.checkpoint import META_FILE
 from lightning_llmpar.data_position import ResumableDistributedSampler
 
 __all__ = ["FaultTolerantCheckpoint", "StepGuard", "checkpoint_problem", "newest_complete_checkpoint"]
 
 _STEP = re.compile(r"step[=_-]?(\d+)")
+# What FaultTolerantCheckpoint writes (``step=N.ckpt``) and the staging/old folders of its atomic writes:
+# pruning never touches anything else in the folder (best.ckpt, other callbacks' files, a user's folders).
+_OWN = re.compile(r"^step=\d+\.ckpt$")
+_OWN_STAGING = re.compile(r"^\.step=\d+\.ckpt\.(partial|old)$")
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -51,7 +57,12 @@ def checkpoint_problem(path: Path) -> str | None:
             file = path / name
             if not file.is_file() or file.stat().st_size < size:
                 return f"shard {name} missing or truncated"
-        torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+        # Integrity without unpickling: a folder dropped into the checkpoint directory must never run code
+        # just by being scanned. torch.save writes a zip archive; its CRCs show truncation or corruption.
+        with zipfile.ZipFile(path / META_FILE) as archive:
+            bad = archive.testzip()
+        if bad is not None:
+            return f"{META_FILE} is corrupt ({bad})"
     except Exception as err:  # noqa: BLE001 - any unreadable part makes the checkpoint unusable
         return f"unreadable ({type(err).__name__}: {err})"
     return None
@@ -104,8 +115,8 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
         # left by a crash go too.
         import shutil
 
-        saved = sorted((p for p in folder.iterdir() if p.name.endswith(".ckpt")), key=_step_of, reverse=True)
-        for stale in saved[self.keep_last :] + [p for p in folder.iterdir() if p.name.endswith(".partial")]:
+        saved = sorted((p for p in folder.iterdir() if _OWN.match(p.name)), key=_step_of, reverse=True)
+        for stale in saved[self.keep_last :] + [p for p in folder.iterdir() if _OWN_STAGING.match(p.name)]:
             shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
 
     def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
@@ -120,20 +131,33 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
         for candidate in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
             if isinstance(candidate, ResumableDistributedSampler):
                 return candidate
+            inner = getattr(getattr(candidate, "dataset", None), "_sampler", None)  # Lightning's wrapper
+            if isinstance(inner, ResumableDistributedSampler):
+                raise ValueError(
+                    "The ResumableDistributedSampler was wrapped in another distributed sampler, so each rank would see"
+                    " a share of its share and its position would not be saved. Pass it to the DataLoader as `sampler`"
+                    " directly (Lightning then keeps it) and do not wrap it."
+                )
         return None
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int) -> None:
         sampler = self._sampler(trainer)
         if sampler is not None:
             # Samples trained on so far this epoch, over all data-parallel ranks.
-            size = len(batch[0]) if isinstance(batch, (tuple, list)) else len(batch)
-            sampler.consumed += size * sampler.num_replicas
+            sampler.consumed += batch_size(batch) * sampler.num_replicas
         super().on_train_batch_end(trainer, pl_module, outputs, batch, idx)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Lightning resumes a started epoch without calling on_train_epoch_start, so the restored
         # position goes into the sampler here, before the first batch of the resumed run is drawn.
         sampler = self._sampler(trainer)
+        expected = trainer.strategy.distributed_sampler_kwargs if trainer.world_size > 1 else {"num_replicas": 1, "rank": 0}
+        if sampler is not None and (sampler.num_replicas, sampler.rank) != (expected["num_replicas"], expected["rank"]):
+            raise ValueError(
+                f"ResumableDistributedSampler(num_replicas={sampler.num_replicas}, rank={sampler.rank}) does not match the"
+                f" data-parallel layout (num_replicas={expected['num_replicas']}, rank={expected['rank']}): ranks would see"
+                " the wrong share of the data. Build it with trainer.strategy.distributed_sampler_kwargs."
+            )
         if sampler is not None and self._position is not None and self._position["epoch"] == trainer.current_epoch:
             sampler.load_state_dict(self._position)
         self._position = None
@@ -186,14 +210,23 @@ class StepGuard(Callback):
                 " partitions. Use it with sharding_backend='fsdp2' (the default)."
             )
 
+    @staticmethod
+    def _scaler(trainer: Trainer) -> Any:
+        return getattr(trainer.precision_plugin, "scaler", None)
+
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
-        self._loss = float(loss.detach().float()) * trainer.accumulate_grad_batches
+        # With loss scaling (FP16) the hook sees the scaled loss; the guard judges the loss itself.
+        scaler = self._scaler(trainer)
+        scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+        self._loss = float(loss.detach().float()) / scale * trainer.accumulate_grad_batches
 
     def _verdict(self, pl_module: LightningModule) -> bool:
         bad = not math.isfinite(self._loss)
         if not bad and self.spike_factor is not None and len(self.recent) >= 3:
             bad = self._loss > self.spike_factor * (sum(self.recent) / len(self.recent))
-        if not bad:
+        # Non-finite gradients under loss scaling are the scaler's business: it skips that step on every rank and
+        # backs off the scale, which is normal operation, not a bad step.
+        if not bad and self._scaler(pl_module.trainer) is None:
             for p in pl_module.parameters():
                 if p.grad is not None:
                     g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad

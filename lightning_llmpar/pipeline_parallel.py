@@ -150,9 +150,11 @@ class _StandIn(nn.Module):
     never reached, because the stage ends at its last block.
     """
 
-    def __init__(self, original: nn.Module, name: str, before_stack: bool, blocks: nn.ModuleList) -> None:
+    def __init__(
+        self, original: nn.Module, name: str, before_stack: bool, blocks: nn.ModuleList, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
-        self.name, self.before_stack = name, before_stack
+        self.name, self.before_stack, self.dtype = name, before_stack, dtype
         self.num_embeddings = getattr(original, "num_embeddings", None)
         self._meta = [copy.deepcopy(original).to("meta")] if before_stack else []  # list: not a submodule
         self._blocks = [blocks]
@@ -169,7 +171,10 @@ class _StandIn(nn.Module):
         device = next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
         to_meta = lambda t: t.to("meta") if isinstance(t, Tensor) else t  # noqa: E731
         out = self._meta[0](*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
-        return torch.zeros(out.shape, dtype=out.dtype, device=device)
+        # Under a mixed-precision policy the real module computes with cast weights: match its output dtype
+        # (code after it, such as rotary tables, takes its dtype from this output).
+        dtype = self.dtype if self.dtype is not None and out.is_floating_point() else out.dtype
+        return torch.zeros(out.shape, dtype=dtype, device=device)
 
 
 class _PassThrough(nn.Module):
@@ -300,7 +305,12 @@ def stage_finder(model: nn.Module, stack: BlockStack, layout: StageLayout) -> Ca
 
 
 def split_model(
-    model: nn.Module, stack: BlockStack, layout: StageLayout, pp_rank: int, tied: Sequence[TiedWeight] = ()
+    model: nn.Module,
+    stack: BlockStack,
+    layout: StageLayout,
+    pp_rank: int,
+    tied: Sequence[TiedWeight] = (),
+    param_dtype: torch.dtype | None = None,
 ) -> tuple[dict[int, dict[str, nn.Module]], dict[str, tuple[nn.Module, nn.Module]]]:
     """Remove from ``model`` what other pipeline ranks hold; return this rank's parts per stage.
 
@@ -323,9 +333,9 @@ def split_model(
     for name in before:
         if 0 in local:
             parts[0][name] = real = model.get_submodule(name)
-            swaps[name] = (real, _StandIn(real, name, True, blocks))
+            swaps[name] = (real, _StandIn(real, name, True, blocks, param_dtype))
         else:
-            replace_module(model, name, _StandIn(model.get_submodule(name), name, True, blocks))
+            replace_module(model, name, _StandIn(model.get_submodule(name), name, True, blocks, param_dtype))
     for name in after:
         if last in local:
             parts[last][name] = model.get_submodule(name)

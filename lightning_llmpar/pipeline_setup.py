@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
@@ -85,7 +86,14 @@ class PipelineConfig:
         return cls(degree, schedule, microbatches, virtual_stages, tuple(split_points) if split_points else None)
 
 
-def build_pipeline(module: LightningModule, config: PipelineConfig, mesh: DeviceMesh, device: torch.device) -> PipelineRunner:
+def build_pipeline(
+    module: LightningModule,
+    config: PipelineConfig,
+    mesh: DeviceMesh,
+    device: torch.device,
+    tokens: Any = None,
+    param_dtype: torch.dtype | None = None,
+) -> PipelineRunner:
     """Split ``module`` into this rank's stages (removing the rest) and return the runner that steps them."""
     pp_mesh = mesh["pp"]
     stack = find_block_stack(module)
@@ -100,8 +108,8 @@ def build_pipeline(module: LightningModule, config: PipelineConfig, mesh: Device
     layout = StageLayout(config.degree, config.virtual_stages, config.schedule in V_SCHEDULES, ranges)
     tied = find_tied_weights(module)
     stage_of = stage_finder(module, stack, layout)
-    parts, swaps = split_model(module, stack, layout, pp_mesh.get_local_rank(), tied)
+    parts, swaps = split_model(module, stack, layout, pp_mesh.get_local_rank(), tied, param_dtype)
     ties = TiedCopies.build(module, tied, stage_of, layout.rank_of, mesh)
     return PipelineRunner(
-        module, stack.blocks, layout, parts, swaps, pp_mesh, device, config.schedule, config.microbatches, ties
+        module, stack.blocks, layout, parts, swaps, pp_mesh, device, config.schedule, config.microbatches, ties, tokens
     )

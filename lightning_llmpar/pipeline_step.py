@@ -30,6 +30,8 @@ from lightning_llmpar.pipeline_parallel import (
     build_schedule,
     replace_module,
 )
+from lightning_llmpar.batches import batch_size
+from lightning_llmpar.loss_normalization import TokenNormalizer
 from lightning_llmpar.structure import first_arg_name
 from lightning_llmpar.ties import TiedCopies
 
@@ -49,9 +51,10 @@ class PipelineRunner:
         schedule: str,
         microbatches: int,
         ties: TiedCopies | None = None,
+        tokens: TokenNormalizer | None = None,
     ) -> None:
         self.module, self.blocks, self.layout, self._swaps = module, blocks, layout, swaps
-        self.ties = ties
+        self.ties, self.tokens = ties, tokens
         self.pp_group = pp_mesh.get_group()
         self.pp_rank = pp_mesh.get_local_rank()
         self.device, self.schedule_name, self.microbatches = device, schedule, microbatches
@@ -110,12 +113,36 @@ class PipelineRunner:
     def _schedule(self, microbatches: int, training: bool) -> Any:
         key = (microbatches, training)
         if key not in self._schedules:
-            self._schedules[key] = build_schedule(self.schedule_name, self._build_stages(), microbatches, self._loss)
+            name = self.schedule_name
+            if not training and not self.layout.v_shape:
+                # Forward only: every schedule computes the same; these take any number of microbatches (an
+                # evaluation batch may hold fewer samples than there are stages).
+                name = "GPipe" if self.layout.stages_per_rank == 1 else "LoopedBFS"
+            self._schedules[key] = build_schedule(name, self._build_stages(), microbatches, self._loss)
         return self._schedules[key]
 
+    def microbatches_for(self, size: int, training: bool) -> int:
+        """The configured microbatch count, or for a batch it does not divide (an epoch's last batch, evaluation)
+        the largest count below it that divides the batch and the schedule accepts (the result is the same)."""
+        for n in range(min(self.microbatches, size), 0, -1):
+            if size % n:
+                continue
+            try:
+                self._schedule(n, training)
+            except ValueError:  # e.g. 1F1B needs at least as many microbatches as stages
+                continue
+            return n
+        raise ValueError(
+            f"A batch of {size} samples cannot be split into microbatches for pipeline_schedule={self.schedule_name!r}"
+            f" on {self.layout.pp} ranks ({self.layout.num_stages} stages). Use batch sizes that are multiples of"
+            f" pipeline_microbatches={self.microbatches} (drop_last=True for the training loader), or a schedule that"
+            " takes fewer microbatches (GPipe, LoopedBFS)."
+        )
+
     def _loss(self, output: Tensor, target: Any) -> Tensor:
-        # The stage output of the last stage is the user's loss for one microbatch.
-        loss = output / (self._n_mb * self._accumulate)
+        # The stage output of the last stage is the user's loss for one microbatch (already weighed by its
+        # tokens under loss_normalization='tokens', whose step then divides by their total).
+        loss = output / ((1 if self.tokens is not None else self._n_mb) * self._accumulate)
         return self.scale_loss(loss) if self.scale_loss is not None else loss
 
     def _record_actions(self, stage: PipelineStage) -> None:
@@ -177,6 +204,8 @@ class PipelineRunner:
             self._outputs.append(out)
         loss = out.get("loss") if isinstance(out, dict) else out
         if self._method == "training_step":
+            if self.tokens is not None:
+                return loss * (self.tokens.count(batch) if self._inferring else self.tokens.add(batch))
             return loss
         # Eval steps return nothing the schedule needs, but it concatenates last-stage outputs.
         return torch.zeros(1, device=self.device)
@@ -214,14 +243,9 @@ class PipelineRunner:
 
     def run(self, method: str, batch: Any, step_args: tuple, accumulate: int = 1) -> Any:
         """Run ``method`` (e.g. 'training_step') on ``batch`` through the schedule; return its result."""
-        size = _batch_size(batch)
+        size = batch_size(batch)
         training = method == "training_step"
-        n_mb = self.microbatches if training or size % self.microbatches == 0 else _divisor(size, self.microbatches)
-        if size % n_mb:
-            raise ValueError(
-                f"Batch size {size} is not divisible by pipeline_microbatches={self.microbatches}. Use a batch"
-                f" size that is a multiple of {self.microbatches} (and drop_last=True), or change the microbatches."
-            )
+        n_mb = self.microbatches_for(size, training)
         self._method, self._step_args, self._n_mb, self._accumulate = method, step_args, n_mb, accumulate
         self._outputs = []
         schedule = self._schedule(n_mb, training)
@@ -242,18 +266,24 @@ class PipelineRunner:
         return self._result(method)
 
     def _result(self, method: str) -> Any:
+        """What the step returned, as one process would see it, on every rank: the microbatch outputs of the
+        last stage merged (the loss averaged; a training dict keeps its other entries)."""
         outs = self._outputs[-self._n_mb :] if self.is_last else []
         if method == "training_step":
             losses = [o.get("loss") if isinstance(o, dict) else o for o in outs]
             value = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else torch.zeros(())
-            value = value.to(self.device)
-            dist.broadcast(value, group=self.pp_group, group_src=self.last_rank)
-            return value
-        if method == "predict_step":
-            box = [outs if self.is_last else None]
+            has_extras = float(bool(outs) and isinstance(outs[0], dict) and len(outs[0]) > 1)
+            packed = torch.stack([value, torch.tensor(has_extras)]).to(self.device)  # one broadcast per step
+            dist.broadcast(packed, group=self.pp_group, group_src=self.last_rank)
+            value = packed[0]
+            if not packed[1]:
+                return value
+            box = [_merge([{k: v for k, v in o.items() if k != "loss"} for o in outs]) if self.is_last else None]
             dist.broadcast_object_list(box, group=self.pp_group, group_src=self.last_rank)
-            return _concat(box[0])
-        return None
+            return {"loss": value, **box[0]}
+        box = [_merge(outs) if self.is_last else None]
+        dist.broadcast_object_list(box, group=self.pp_group, group_src=self.last_rank)
+        return box[0]
 
     # ------------------------------------------------------------------ logging
 
@@ -322,21 +352,19 @@ def bubble_fraction(actions: list[tuple], window: tuple[float, float]) -> float:
     return max(0.0, 1.0 - busy / max(end - start, 1e-9))
 
 
-def _batch_size(batch: Any) -> int:
-    leaves = torch.utils._pytree.tree_leaves(batch)
-    for leaf in leaves:
-        if isinstance(leaf, Tensor) and leaf.dim() > 0:
-            return leaf.shape[0]
-    raise ValueError("Pipeline parallelism needs a batch with at least one tensor to split into microbatches.")
-
-
 def _divisor(size: int, most: int) -> int:
     return max(d for d in range(1, most + 1) if size % d == 0)
 
 
-def _concat(outs: list[Any] | None) -> Any:
-    if not outs:
+def _merge(outs: list[Any]) -> Any:
+    """Per-microbatch outputs as one batch's: tensors concatenated (scalars averaged), dicts per key."""
+    if not outs or all(o is None for o in outs):
         return None
     if all(isinstance(o, Tensor) for o in outs):
-        return torch.cat(outs)
+        outs = [o.detach() for o in outs]
+        return torch.stack(outs).float().mean() if outs[0].dim() == 0 else torch.cat(outs)
+    if all(isinstance(o, dict) for o in outs):
+        return {k: _merge([o[k] for o in outs]) for k in outs[0]}
+    if all(isinstance(o, (int, float)) for o in outs):
+        return sum(outs) / len(outs)
     return outs

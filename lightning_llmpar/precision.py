@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["BF16Precision", "FP8Precision", "FP16Precision", "MeshGradScaler", "compute_dtype"]
+__all__ = ["BF16Precision", "FP8Precision", "FP16Precision", "MeshGradScaler", "compute_dtype", "mesh_precision"]
 
 
 def _default_device() -> str:
@@ -239,3 +239,37 @@ def compute_dtype(plugin: Precision) -> torch.dtype:
     from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 
     return _plugin_to_compute_dtype(plugin)
+
+
+def mesh_precision(plugin: Precision | None) -> Precision | None:
+    """Lightning's own precision plugins (``precision="16-mixed"`` and friends) as their mesh-aware equivalents.
+
+    Lightning's ``MixedPrecision("16-mixed")`` scales the loss of its own backward only (a pipeline schedule
+    runs backward itself) and takes the overflow decision per rank (each sees only its shards); ``bf16-true``
+    casts every weight with no fp32 master copy for sharded optimizers. Mapped: 16-mixed -> FP16Precision
+    (scaler settings kept), bf16-mixed -> BF16Precision('mixed'), bf16-true -> BF16Precision('true').
+    Plugins with no exact equivalent are refused.
+    """
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision
+
+    if plugin is None or isinstance(plugin, _MeshPrecision) or type(plugin) in (Precision, DoublePrecision):
+        return plugin
+    if isinstance(plugin, MixedPrecision) and plugin.precision == "16-mixed":
+        scaler = plugin.scaler
+        kwargs = {}
+        if scaler is not None:
+            kwargs = {"init_scale": scaler.get_scale(), "growth_factor": scaler.get_growth_factor(),
+                      "backoff_factor": scaler.get_backoff_factor(), "growth_interval": scaler.get_growth_interval()}
+        return FP16Precision(device=plugin.device, **kwargs)
+    if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
+        return BF16Precision(mode="mixed", device=plugin.device)
+    if isinstance(plugin, HalfPrecision) and plugin.precision == "bf16-true":
+        return BF16Precision(mode="true")
+    what = getattr(plugin, "precision", type(plugin).__name__)
+    fix = (
+        "16-true keeps fp16 weights with no loss scaling and no fp32 master copy; use precision='16-mixed' (or"
+        " plugins=[FP16Precision()])" if what == "16-true" else
+        "use precision='32-true', 'bf16-mixed', 'bf16-true' or '16-mixed', or the plugins BF16Precision,"
+        " FP16Precision, FP8Precision"
+    )
+    raise ValueError(f"LLMParallelStrategy does not support the precision plugin {type(plugin).__name__}({what!r}): {fix}.")

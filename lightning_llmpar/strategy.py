@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +33,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -45,9 +46,11 @@ from lightning_llmpar.compression_hooks import GradientCompression, apply_gradie
 from lightning_llmpar.data_parallel import no_gradient_sync
 from lightning_llmpar.hf_checkpoint import check_hf_directory, load_hf_checkpoint
 from lightning_llmpar.layout import ZERO_STAGES, ParallelLayout
+from lightning_llmpar.loss_normalization import TokenNormalizer, count_target_tokens
 from lightning_llmpar.materialize import materialize
 from lightning_llmpar.parallelize import ParallelConfig, Parallelized, parallelize
 from lightning_llmpar.pipeline_setup import PipelineConfig, build_pipeline
+from lightning_llmpar.precision import mesh_precision
 from lightning_llmpar.pipeline_step import PipelineRunner
 from lightning_llmpar.tensor_parallel import Packing
 from lightning_llmpar.ties import find_tied_weights
@@ -65,6 +68,22 @@ def _compression_config(value: Any, zero_stage: int, replicate: Any) -> Compress
     config = CompressionConfig.from_user(value)
     config.check_layout(zero_stage, hybrid=zero_stage > 0 and replicate not in ("auto", 1))
     return config
+
+
+def _train_batch_sizes(trainer: pl.Trainer) -> list[tuple[int, int]]:
+    """(batch size, size of the epoch's short last batch or 0) of each training DataLoader whose sizes are known."""
+    loader = trainer.train_dataloader
+    loaders = getattr(loader, "flattened", None) or ([loader] if loader is not None else [])
+    sizes = []
+    for dl in loaders:
+        size, sampler = getattr(dl, "batch_size", None), getattr(dl, "sampler", None)
+        try:
+            samples = len(sampler)  # type: ignore[arg-type]
+        except TypeError:
+            continue  # iterable datasets: checked batch by batch
+        if isinstance(size, int) and size > 0:
+            sizes.append((size, 0 if getattr(dl, "drop_last", False) else samples % size))
+    return sizes
 
 
 def _positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
@@ -110,6 +129,11 @@ class LLMParallelStrategy(ParallelStrategy):
             transformers model inside the LightningModule after parallelization, each rank reading only
             the slices it holds. Build the module on the meta device (``trainer.init_module(empty_init=True)``
             or in ``configure_model``) so no rank ever holds the whole model (see docs/huggingface.md).
+        loss_normalization: 'mean' (default, as DDP/FSDP): every microbatch's and data-parallel rank's mean
+            loss weighs the same. 'tokens': the step's loss is the mean over all valid target tokens (padding
+            and ignore_index -100 left out), exactly as one process computes it on the global batch; tokens
+            are counted in a dict's 'labels' (shifted by one, as transformers' causal-LM loss) or the targets
+            of an (inputs, targets) pair, or by a callable(batch) -> count given here.
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
     """
 
@@ -135,6 +159,7 @@ class LLMParallelStrategy(ParallelStrategy):
         offload_parameters: str | None = None,
         gradient_compression: str | dict[str, Any] | None = None,
         hf_checkpoint: str | None = None,
+        loss_normalization: Literal["mean", "tokens"] | Callable[[Any], int] = "mean",
         start_method: _START_METHOD = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -158,6 +183,23 @@ class LLMParallelStrategy(ParallelStrategy):
             _positive_int("data_parallel_replicate", data_parallel_replicate, allow_auto=True)
         if zero_stage not in ZERO_STAGES:
             raise ValueError(f"LLMParallelStrategy: `zero_stage` must be one of {ZERO_STAGES}, got {zero_stage!r}.")
+        for name, flag in (("sequence_parallel", sequence_parallel), ("cpu_offload", cpu_offload)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"LLMParallelStrategy: `{name}` must be True or False, got {flag!r}.")
+        if pipeline_parallel == 1:
+            # Options of a pipeline that does not exist would be silently ignored.
+            given = {
+                "pipeline_schedule": pipeline_schedule if pipeline_schedule != "Interleaved1F1B" else None,
+                "pipeline_microbatches": pipeline_microbatches,
+                "pipeline_virtual_stages": pipeline_virtual_stages,
+                "pipeline_split_points": pipeline_split_points,
+            }
+            given = {k: v for k, v in given.items() if v is not None}
+            if given:
+                raise ValueError(
+                    f"LLMParallelStrategy: {', '.join(f'{k}={v!r}' for k, v in given.items())} configure pipeline"
+                    " parallelism, but pipeline_parallel=1. Set pipeline_parallel > 1 or remove them."
+                )
         self.pipeline = PipelineConfig.validated(
             pipeline_parallel,
             pipeline_schedule,
@@ -195,6 +237,22 @@ class LLMParallelStrategy(ParallelStrategy):
                 " sharding_backend='deepspeed' use 'onebit_adam' or 'zero_one_adam'."
             )
         self.hf_checkpoint = str(check_hf_directory(hf_checkpoint)) if hf_checkpoint is not None else None
+        if not (callable(loss_normalization) or loss_normalization in ("mean", "tokens")):
+            raise ValueError(
+                f"LLMParallelStrategy: `loss_normalization` must be 'mean', 'tokens' or a callable(batch) -> token count,"
+                f" got {loss_normalization!r}."
+            )
+        if loss_normalization != "mean" and sharding_backend == "deepspeed":
+            raise ValueError(
+                "loss_normalization='tokens' rescales gradients before the optimizer step, which the DeepSpeed engine"
+                " takes itself; use it with sharding_backend='fsdp2' (the default)."
+            )
+        self._count_tokens: Callable[[Any], int] | None = (
+            None if loss_normalization == "mean" else count_target_tokens if loss_normalization == "tokens"
+            else loss_normalization  # type: ignore[assignment]
+        )
+        self._tokens: TokenNormalizer | None = None
+        self._step_tokens = 1
         if start_method not in get_args(_START_METHOD):
             raise ValueError(f"`start_method` must be one of {get_args(_START_METHOD)}, got {start_method!r}.")
         if tp_plan is not None and not isinstance(tp_plan, Mapping):
@@ -227,13 +285,31 @@ class LLMParallelStrategy(ParallelStrategy):
         self._dp_mesh: DeviceMesh | None = None
         self.num_nodes = 1
 
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        # Lightning's own plugins (precision="16-mixed", ...) become their mesh-aware equivalents.
+        self._precision_plugin = mesh_precision(precision_plugin)
+
     # ----------------------------------------------------------------- layout and processes
 
     def _build_layout(self, world_size: int) -> ParallelLayout:
         degrees = dict(self._degrees)
         if degrees["data_parallel_replicate"] == "num_nodes":
             degrees["data_parallel_replicate"] = self.num_nodes
-        return ParallelLayout.from_degrees(world_size, **degrees)
+        layout = ParallelLayout.from_degrees(world_size, **degrees)
+        if self._ds_options["gradient_compression"] is not None and layout.dp == 1:
+            raise ValueError(
+                f"gradient_compression={self._ds_options['gradient_compression']!r} compresses the data-parallel"
+                f" gradient sync, but this layout has one data-parallel rank ({layout}). Remove it, or use more"
+                " devices for data parallelism."
+            )
+        return layout
 
     @property
     def layout(self) -> ParallelLayout:
@@ -293,6 +369,16 @@ class LLMParallelStrategy(ParallelStrategy):
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        if self.layout.pp > 1 and not model.automatic_optimization:
+            raise ValueError(
+                "pipeline_parallel > 1 runs forward and backward inside the pipeline schedule, so manual optimization"
+                f" (automatic_optimization=False in {type(model).__name__}) cannot call manual_backward. Use automatic"
+                " optimization, or pipeline_parallel=1."
+            )
+
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
@@ -334,8 +420,14 @@ class LLMParallelStrategy(ParallelStrategy):
         else:
             stage_roots: list[torch.nn.Module] = []
             self._apply_precision_plan(module)
+            if self._count_tokens is not None:
+                self._tokens = TokenNormalizer(self._count_tokens, self.layout.tp, self.layout.dp, self.root_device)
             if self.layout.pp > 1:
-                self._runner = build_pipeline(module, self.pipeline, self.device_mesh, self.root_device)
+                policy = self.parallel_config.mp_policy
+                param_dtype = policy.param_dtype if policy is not None else None
+                self._runner = build_pipeline(
+                    module, self.pipeline, self.device_mesh, self.root_device, self._tokens, param_dtype
+                )
                 stage_roots = list(self._runner.stage_modules.values())
                 self._runner.scale_loss = getattr(self.precision_plugin, "scale_loss", None)
             checkpointing = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)
@@ -360,7 +452,16 @@ class LLMParallelStrategy(ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
-            self.setup_optimizers(trainer)
+            try:
+                self.setup_optimizers(trainer)
+            except ValueError as err:
+                if "empty parameter list" not in str(err) or any(p.requires_grad for p in module.parameters()):
+                    raise
+                raise ValueError(
+                    f"Pipeline rank {self.device_mesh['pp'].get_local_rank()} holds no trainable parameter (its stages"
+                    " are frozen), so an optimizer over only the parameters with requires_grad is empty. Build the"
+                    " optimizer from all parameters (frozen ones get no gradient and no update), or freeze fewer layers."
+                ) from err
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -416,6 +517,8 @@ class LLMParallelStrategy(ParallelStrategy):
 
     def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self._runner is None:
+            if method == "training_step" and self._tokens is not None:
+                self._step_tokens = self._tokens.add(args[0] if args else next(iter(kwargs.values())))
             return self._through_root(method, *args, **kwargs)
         if kwargs:
             args = (*args, *kwargs.values())  # e.g. dataloader_idx
@@ -445,6 +548,8 @@ class LLMParallelStrategy(ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._runner is None:
+            if self._tokens is not None:  # weigh the mean loss by its tokens; the step divides by their total
+                closure_loss = closure_loss * self._step_tokens
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule already ran backward inside training_step (before Lightning's zero_grad), so
         # fire the backward hooks as usual but put the set-aside gradients back instead of autograd.
@@ -459,6 +564,16 @@ class LLMParallelStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        tokens = self._tokens
+        if tokens is not None:
+            step_closure = closure
+            accumulate = self.lightning_module.trainer.accumulate_grad_batches
+
+            def closure() -> Any:  # after the last backward of the step, before clipping and the update
+                result = step_closure()
+                tokens.finish(self.precision_plugin.main_params(optimizer), accumulate)
+                return result
+
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._compression is not None and self.lightning_module is not None:
             # Logged through the LightningModule so every logger (CSV, W&B, ...) gets them; the values
@@ -466,6 +581,21 @@ class LLMParallelStrategy(ParallelStrategy):
             for name, value in self._compression.step_metrics().items():
                 self.lightning_module.log(name, value, on_step=True, on_epoch=False, sync_dist=False)
         return output
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._runner is not None:
+            # Before the first step: every training batch must split into microbatches; the configured count must
+            # divide the regular batch, and an epoch's short last batch needs a count the schedule takes.
+            for size, last in _train_batch_sizes(self.lightning_module.trainer):
+                if size % self.pipeline.microbatches:
+                    raise ValueError(
+                        f"Batch size {size} is not divisible by pipeline_microbatches={self.pipeline.microbatches}. Use a"
+                        f" batch size that is a multiple of {self.pipeline.microbatches}, or change the microbatches."
+                    )
+                if last:
+                    self._runner.microbatches_for(last, training=True)
 
     @property
     def pipeline_runner(self) -> PipelineRunner | None:
@@ -523,8 +653,10 @@ class LLMParallelStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        # Tensors are written by `save_checkpoint` straight from the sharded model; nothing to gather here.
-        return {}
+        """This rank's state dict, sharded (DTensors; only its pipeline stage's entries), as hooks such as
+        ``on_save_checkpoint`` see it. Nothing is gathered; ``save_checkpoint`` writes the shards itself."""
+        assert self.model is not None
+        return get_model_state_dict(self.model)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -552,6 +684,8 @@ class LLMParallelStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         meta["llmpar_layout"] = str(self.layout)
+        # Lightning leaves optimizer state out of weights-only checkpoints (ModelCheckpoint(save_weights_only=True)).
+        meta["llmpar_optimizer_state"] = "optimizer_states" in checkpoint
         ckpt.write_atomically(
             path, lambda staging: self._write_checkpoint(staging, meta), is_rank_zero=self.is_global_zero,
             barrier=self.barrier,
@@ -560,8 +694,9 @@ class LLMParallelStrategy(ParallelStrategy):
     def _write_checkpoint(self, folder: Path, meta: dict[str, Any]) -> None:
         """Write this rank's part of a checkpoint into ``folder`` (the sharding backend's format)."""
         assert self.model is not None
+        optimizers = self._raw_optimizers() if meta["llmpar_optimizer_state"] else []
         ckpt.write_distributed(
-            folder, self.model, self._raw_optimizers(), meta, is_rank_zero=self.is_global_zero, aliases=self._aliases(),
+            folder, self.model, optimizers, meta, is_rank_zero=self.is_global_zero, aliases=self._aliases(),
             packings=self._parallelized.packings,
         )
         if self._compression is not None:  # per-rank: every rank's residuals differ
@@ -571,8 +706,12 @@ class LLMParallelStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None
+        module = self.lightning_module
+        fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
         meta = ckpt.load_checkpoint(
-            path, self.model, self._raw_optimizers(), aliases=self._aliases(), packings=self._parallelized.packings
+            path, self.model, self._raw_optimizers() if fitting else [], aliases=self._aliases(),
+            packings=self._parallelized.packings, weights_only=weights_only,
+            strict=getattr(module, "strict_loading", True),
         )
         if self._compression is not None:
             self._compression.load(path, self.global_rank, self.root_device)

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_llmpar import LLMParallelStrategy, checkpoint
 from lightning_llmpar.data_position import ResumableDistributedSampler
+from lightning_llmpar.callbacks import ThroughputAndMemory
 from lightning_llmpar.fault_tolerance import FaultTolerantCheckpoint, StepGuard
 from lightning_llmpar.models import GPTModule
 
@@ -28,19 +29,28 @@ class _Tokens(Dataset):
     def __init__(self) -> None:
         g = torch.Generator().manual_seed(1234)
         self.tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=g)
+        self.dict_batches = False
 
     def __len__(self) -> int:
         return SAMPLES
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def __getitem__(self, i: int) -> Any:
+        if self.dict_batches:
+            return {"input_ids": self.tokens[i, :-1], "targets": self.tokens[i, 1:], "ids": i}
         return self.tokens[i, :-1], self.tokens[i, 1:], i
 
 
 class _Data(LightningDataModule):
+    def __init__(self, dict_batches: bool = False) -> None:
+        super().__init__()
+        self.dict_batches = dict_batches
+
     def train_dataloader(self) -> DataLoader:
         kwargs = self.trainer.strategy.distributed_sampler_kwargs
-        sampler = ResumableDistributedSampler(_Tokens(), shuffle=True, seed=7, **kwargs)
-        return DataLoader(_Tokens(), batch_size=4, sampler=sampler, drop_last=True)
+        data = _Tokens()
+        data.dict_batches = self.dict_batches
+        sampler = ResumableDistributedSampler(data, shuffle=True, seed=7, **kwargs)
+        return DataLoader(data, batch_size=4, sampler=sampler, drop_last=True)
 
 
 class _Module(GPTModule):
@@ -50,7 +60,7 @@ class _Module(GPTModule):
         self.out, self.kill_at = out, kill_at
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y, ids = batch
+        x, y, ids = (batch["input_ids"], batch["targets"], batch["ids"]) if isinstance(batch, dict) else batch
         step, rank = self.trainer.global_step, self.trainer.global_rank
         with open(self.out / f"seen_rank{rank}.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "epoch": self.trainer.current_epoch, "ids": ids.tolist()}) + "\n")
@@ -80,7 +90,9 @@ def _kill_while_saving(out: Path) -> None:
 
 
 def train(out: Path, steps: int = 12, kill_at: int = -1, kill_in_save: bool = False,
-          strategy: dict[str, Any] | None = None, timeout_s: float = 1800, save_every: int = 3) -> int:
+          strategy: dict[str, Any] | None = None, timeout_s: float = 1800, save_every: int = 3,
+          dict_batches: bool = False) -> int:
+    """``dict_batches``: dict batches, Lightning's own distributed-sampler setting and a throughput callback."""
     """Train to ``steps`` from the newest intact checkpoint in ``out/ckpt`` (if any); returns the final step."""
     from datetime import timedelta
 
@@ -93,10 +105,11 @@ def train(out: Path, steps: int = 12, kill_at: int = -1, kill_in_save: bool = Fa
         accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
         strategy=LLMParallelStrategy(**(strategy or {"zero_stage": 3}), timeout=timedelta(seconds=timeout_s)),
         max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, use_distributed_sampler=False,
-        callbacks=[FaultTolerantCheckpoint(str(out / "ckpt"), every_n_train_steps=save_every, keep_last=2), StepGuard()],
+        limit_val_batches=0, use_distributed_sampler=dict_batches,
+        callbacks=[FaultTolerantCheckpoint(str(out / "ckpt"), every_n_train_steps=save_every, keep_last=2), StepGuard(),
+                   *([ThroughputAndMemory(log_every_n_steps=2)] if dict_batches else [])],
     )
-    trainer.fit(module, datamodule=_Data(), ckpt_path="last")
+    trainer.fit(module, datamodule=_Data(dict_batches), ckpt_path="last")
     weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in module.named_parameters()}
     if trainer.global_rank == 0:
         torch.save(weights, out / "final.pt")

@@ -20,7 +20,8 @@ STEPS, SAMPLES, STEPS_PER_EPOCH = 12, 64, 8
 
 
 def _run_until_done(
-    out: Path, kill_at: int = -1, in_save: bool = False, restarts: int = 3, strategy: dict[str, Any] | None = None
+    out: Path, kill_at: int = -1, in_save: bool = False, restarts: int = 3, strategy: dict[str, Any] | None = None,
+    dict_batches: bool = False,
 ) -> int:
     """Launch 2 ranks; when a rank dies, start the job again (as a requeue or torchrun restart would).
 
@@ -30,7 +31,7 @@ def _run_until_done(
     out.mkdir(parents=True, exist_ok=True)
     for attempt in range(restarts + 1):
         try:
-            run_ranks(train, 2, out, STEPS, kill_at, in_save, strategy, 60.0, timeout=240)
+            run_ranks(train, 2, out, STEPS, kill_at, in_save, strategy, 60.0, 3, dict_batches, timeout=240)
             return attempt
         except RuntimeError:
             continue
@@ -84,6 +85,13 @@ def test_killed_rank_resumes_to_the_uninterrupted_result(
     failures = _run_until_done(tmp_path, kill_at=-1 if in_save else kill_at, in_save=in_save)
     assert (tmp_path / "killed").exists() and failures == 1, "the fault was not injected"
     assert not any(p.name.endswith(".partial") for p in (tmp_path / "ckpt").iterdir()), "half-written checkpoint left"
+    _assert_same_run(tmp_path, uninterrupted)
+
+
+def test_dict_batches_resume_exactly_once(tmp_path: Path, uninterrupted: tuple[dict[str, torch.Tensor], dict]) -> None:
+    # Dict batches (the position counts samples, not keys), the sampler left to Lightning's
+    # use_distributed_sampler=True (kept, not wrapped, so its position is saved), throughput logged from dicts.
+    assert _run_until_done(tmp_path, kill_at=5, dict_batches=True) == 1
     _assert_same_run(tmp_path, uninterrupted)
 
 

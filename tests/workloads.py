@@ -19,8 +19,9 @@ VOCAB, SEQ = 64, 16
 class TokenData(LightningDataModule):
     """Fixed random token windows; no shuffling, so DistributedSampler splits batches deterministically."""
 
-    def __init__(self, batch_size: int, n: int = 256, seed: int = 1234) -> None:
+    def __init__(self, batch_size: int, n: int = 256, seed: int = 1234, val_batch_size: int | None = None) -> None:
         super().__init__()
+        self.val_batch_size = val_batch_size or batch_size
         g = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
         self.data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
@@ -34,7 +35,7 @@ class TokenData(LightningDataModule):
         return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.data, batch_size=self.batch_size, shuffle=False)
+        return DataLoader(self.data, batch_size=self.val_batch_size, shuffle=False)
 
 
 def make_gpt() -> LightningModule:
@@ -65,7 +66,21 @@ class HFLlamaModule(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-MODELS = {"gpt": make_gpt, "llama": HFLlamaModule, "llama_tied": lambda: HFLlamaModule(tie=True)}
+class _ExtraParameter(GPTModule):
+    """The example GPT with one parameter more than its checkpoints have."""
+
+    def __init__(self, strict: bool) -> None:
+        super().__init__(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, n_kv_head=2, n_embd=32,
+                         learning_rate=1e-2, warmup_steps=2, total_steps=20)
+        self.extra = torch.nn.Parameter(torch.zeros(3))
+        self.strict_loading = strict
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) + 0 * self.extra.sum()
+
+
+MODELS = {"gpt": make_gpt, "llama": HFLlamaModule, "llama_tied": lambda: HFLlamaModule(tie=True),
+          "gpt_extra": lambda: _ExtraParameter(True), "gpt_extra_lenient": lambda: _ExtraParameter(False)}
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -115,6 +130,8 @@ def fit(
     checkpointing: dict[str, Any] | None = None,
     precision: tuple[str, dict[str, Any]] | None = None,
     callbacks_extra: list[Callback] | None = None,
+    val_batch_size: int | None = None,
+    save_weights_only: bool = False,
 ) -> dict[str, Any]:
     """Train ``model`` for ``steps`` and report what a parity test compares.
 
@@ -157,13 +174,13 @@ def fit(
         use_distributed_sampler=False,
         plugins=plugins or None,
     )
-    data = TokenData(batch_size, n=samples)
+    data = TokenData(batch_size, n=samples, val_batch_size=val_batch_size)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
     val = trainer.validate(module, datamodule=data, verbose=False)[0] if validate else {}
     predictions = torch.cat(trainer.predict(module, dataloaders=data.val_dataloader())) if predict else None
     if save_to is not None:
-        trainer.save_checkpoint(save_to)
+        trainer.save_checkpoint(save_to, weights_only=save_weights_only)
     params = {n: full(p).cpu() for n, p in module.named_parameters()}
     if getattr(trainer.strategy, "engine", None) is not None:
         from deepspeed.utils import safe_get_full_fp32_param

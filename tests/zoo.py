@@ -44,7 +44,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def make_config(name: str) -> Any:
+def make_config(name: str, dropout: float = 0.0) -> Any:
     import transformers
 
     base = re.sub(r"_(tied|untied)$", "", name)
@@ -54,9 +54,9 @@ def make_config(name: str) -> Any:
     if name.endswith("_tied") or name.endswith("_untied"):
         kwargs["tie_word_embeddings"] = name.endswith("_tied")
     config = cls(**kwargs)
-    for key, value in list(vars(config).items()):  # every dropout off, before the model copies the rates
+    for key, value in list(vars(config).items()):  # every dropout set, before the model copies the rates
         if isinstance(value, float) and (re.search(r"(dropout|pdrop)$", key) or key == "layerdrop"):
-            setattr(config, key, 0.0)
+            setattr(config, key, 0.0 if key == "layerdrop" else dropout)
     config._attn_implementation = "eager" if base in _NO_SDPA else "sdpa"
     config.use_cache = False
     return config
@@ -65,42 +65,59 @@ def make_config(name: str) -> Any:
 class HFCausalLM(LightningModule):
     """How a user fine-tunes a transformers causal LM with Lightning, for one device."""
 
-    def __init__(self, name: str, lr: float = 0.5, sgd: bool = True) -> None:
+    def __init__(self, name: str, lr: float = 0.5, sgd: bool = True, frozen: str | None = None, dropout: float = 0.0) -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM
 
         self.lr, self.sgd = lr, sgd
-        self.model = AutoModelForCausalLM.from_config(make_config(name))
+        self.model = AutoModelForCausalLM.from_config(make_config(name, dropout))
+        if frozen == "head_only":  # fine-tune the LM head only: the first pipeline stage has no gradient at all
+            for pname, p in self.model.named_parameters():
+                p.requires_grad_(pname.startswith("lm_head"))
+        elif frozen == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            torch.manual_seed(7)
+            self.model = get_peft_model(self.model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                               init_lora_weights="gaussian"))
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        loss = self.model(**batch).loss
         self.log("train_loss", loss)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = list(self.parameters())  # frozen ones get no gradient and no update
         if self.sgd:  # SGD: a wrong gradient scale shows in the loss (Adam would hide it)
-            return torch.optim.SGD(self.parameters(), lr=self.lr)
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+            return torch.optim.SGD(params, lr=self.lr)
+        return torch.optim.AdamW(params, lr=1e-2)
 
 
 class _Tokens(Dataset):
-    def __init__(self, n: int, seed: int = 1234) -> None:
+    """Random token windows; ``padded``: right-padded to SEQ from random lengths (labels -100, attention mask)."""
+
+    def __init__(self, n: int, seed: int = 1234, padded: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(2, VOCAB, (n, SEQ), generator=g)
+        self.lengths = torch.randint(3, SEQ + 1, (n,), generator=g) if padded else None
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        if self.lengths is None:
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        keep = torch.arange(SEQ) < self.lengths[i]
+        return {"input_ids": torch.where(keep, self.ids[i], 0), "labels": torch.where(keep, self.ids[i], -100),
+                "attention_mask": keep.long()}
 
 
 class DictTokenData(LightningDataModule):
     """Dict batches in a fixed order: data-parallel rank r takes samples r, r+dp, ... (no shuffling)."""
 
-    def __init__(self, batch_size: int, n: int = SAMPLES) -> None:
+    def __init__(self, batch_size: int, n: int = SAMPLES, padded: bool = False) -> None:
         super().__init__()
-        self.data, self.batch_size = _Tokens(n), batch_size
+        self.data, self.batch_size = _Tokens(n, padded=padded), batch_size
 
     def train_dataloader(self) -> DataLoader:
         kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
@@ -151,6 +168,13 @@ def fit_case(
     save_to: str | None = None,
     ckpt_path: str | None = None,
     sgd: bool = True,
+    frozen: str | None = None,
+    dropout: float = 0.0,
+    padded: bool = False,
+    clip: float | None = None,
+    accumulate: int = 1,
+    precision: Any = None,
+    samples: int = SAMPLES,
 ) -> dict[str, Any]:
     """Train zoo model ``name`` for ``steps``; ``strategy_kwargs=None`` is the one-process reference.
 
@@ -168,21 +192,23 @@ def fit_case(
     kwargs = dict(strategy_kwargs or {})
     if pretrained is not None and strategy_kwargs is not None:
         kwargs["hf_checkpoint"] = pretrained
+    plugins, precision_flag = _precision(precision)
     trainer = Trainer(
         accelerator="cpu",
         devices=1 if strategy_kwargs is None else world,
         strategy="auto" if strategy_kwargs is None else LLMParallelStrategy(**kwargs),
         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, callbacks=[record],
+        gradient_clip_val=clip, accumulate_grad_batches=accumulate, plugins=plugins, precision=precision_flag,
     )
     with trainer.init_module(empty_init=meta) if strategy_kwargs is not None else nullcontext():
-        module = HFCausalLM(name, sgd=sgd)
+        module = HFCausalLM(name, sgd=sgd, frozen=frozen, dropout=dropout)
     total = sum(p.numel() for p in module.parameters())
     if pretrained is not None and strategy_kwargs is None:
         from transformers import AutoModelForCausalLM
 
         module.model = AutoModelForCausalLM.from_pretrained(pretrained, config=module.model.config)
-    trainer.fit(module, datamodule=DictTokenData(batch_size), ckpt_path=ckpt_path)
+    trainer.fit(module, datamodule=DictTokenData(batch_size, n=samples, padded=padded), ckpt_path=ckpt_path)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     if save_hf is not None:
@@ -191,7 +217,35 @@ def fit_case(
         else:
             save_hf_checkpoint(trainer, save_hf)
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())
-    return {"losses": record.losses, "grads": record.grads, "held": held / total}
+    engine = getattr(trainer.strategy, "engine", None)
+    dtype = next((engine.module if engine is not None else module).parameters()).dtype
+    packings = getattr(trainer.strategy, "packings", {})
+    aliases = getattr(trainer.strategy, "tied_aliases", {})
+    params = {}
+    if engine is None:
+        from lightning_llmpar.tensor_parallel.packing import to_canonical
+
+        for pname, p in module.named_parameters():
+            value = full(p).cpu()
+            params[aliases.get(pname, pname)] = to_canonical(value, packings[pname]) if pname in packings else value
+    return {"losses": record.losses, "grads": record.grads, "held": held / total, "param_dtype": str(dtype),
+            "plugin": type(trainer.precision_plugin).__name__, "params": params}
+
+
+def _precision(spec: Any) -> tuple[list[Any] | None, Any]:
+    """A Lightning precision string, 'lightning-16-mixed' (Lightning's own fp16 plugin with a CPU scaler, which the
+    string would turn into bf16 on CPU), or (our plugin class name, kwargs)."""
+    if spec is None:
+        return None, "32-true"
+    if spec == "lightning-16-mixed":
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        return [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**16))], None
+    if isinstance(spec, str):
+        return None, spec
+    from lightning_llmpar import precision as ours
+
+    return [getattr(ours, spec[0])(**spec[1])], None
 
 
 def logits_of(directory: str) -> torch.Tensor:

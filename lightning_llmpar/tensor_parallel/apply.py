@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_llmpar.tensor_parallel.plan import TPPlan
+from lightning_llmpar.tensor_parallel.rng import apply_rank_streams
 
 __all__ = ["apply_tensor_parallel"]
 
@@ -23,6 +24,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -
             continue
         name = key.split("#", 1)[0]
         parallelize_module(model.get_submodule(name) if name else model, tp_mesh, style)
+    apply_rank_streams(model, plan.rank_streams, tp_mesh.get_local_rank())
     for name, counts in plan.local_counts.items():
         module = model.get_submodule(name)
         for attr, value in counts.items():

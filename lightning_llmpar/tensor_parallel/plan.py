@@ -57,6 +57,9 @@ class TPPlan:
     local_counts: dict[str, dict[str, int]] = field(default_factory=dict)
     sequence_parallel: bool = False
     notes: list[str] = field(default_factory=list)
+    # Modules whose activations differ per rank, up to their row-split projections: their dropout runs on a
+    # per-rank random stream (see tensor_parallel.rng).
+    rank_streams: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _user_style(spec: Any, module: nn.Module, tp: int, name: str, pattern: str) -> tuple[PlanEntry, Packing | None]:
@@ -159,6 +162,13 @@ class _Planner:
     # ------------------------------------------------------------------ the whole model
 
     def plan(self) -> TPPlan:
+        adapters = [n for n, m in self.model.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+        if adapters:
+            raise ValueError(
+                f"Module '{adapters[0]}' is a LoRA adapter (peft) around a projection; tensor parallelism does not split"
+                " adapters. Fine-tune adapters with pipeline_parallel and/or data parallelism (zero_stage 0-3), which"
+                " take them as they are, or merge them into the base weights first."
+            )
         stack = find_block_stack(self.model)
         if stack is None and not self.user_plan:
             raise ValueError(
@@ -201,6 +211,28 @@ class _Planner:
             if kind is not None:
                 regions[full] = kind
         self._plan_rest(block_name, block, covered, regions)
+        self._plan_streams(block_name, block, regions)
+
+    def _plan_streams(self, block_name: str, block: nn.Module, regions: dict[str, bool]) -> None:
+        """Where dropout must draw per rank: inside attention/MLP regions (the experts, not the router, of a
+        MoE layer), and under sequence parallelism the block's dropout modules outside them (token shards)."""
+        streams = self.result.rank_streams
+        for name, inline in regions.items():
+            if inline:
+                continue
+            experts = [n for n, s in self.styles.items() if n.startswith(name + ".") and isinstance(s, SplitExperts)]
+            rows = [n for n, s in self.styles.items() if n.startswith(name + ".") and isinstance(s, SplitLinear)
+                    and s.kind == "row" and n.count(".") == name.count(".") + 1]
+            for expert in experts:
+                streams[expert] = []
+            if not experts:
+                streams[name] = rows
+        if self.seq:
+            for sub_name, sub in block.named_modules():
+                full = _join(block_name, sub_name)
+                inside = any(full == r or full.startswith(r + ".") for r, inline in regions.items() if not inline)
+                if isinstance(sub, nn.Dropout) and not inside:
+                    streams[full] = []
 
     def _name_roles(self, children: dict[str, nn.Module]) -> dict[str, str]:
         lower = {n.lower(): n for n in children}

@@ -1,0 +1,63 @@
+"""Dropout under tensor parallelism, Megatron-style: one random stream where activations are replicated over
+the tensor-parallel ranks, a stream per rank where each holds different data (its heads, features or tokens).
+
+Replicated activations must be dropped identically on every rank (they are the same tensor); sharded ones must
+not (identical masks on different heads would correlate them). A region runs on a seed drawn from the shared
+stream and mixed with the rank, from its entry until its row-split projection starts (what follows it, such as
+GPT-2's residual dropout inside the attention module, is replicated or token-sharded again); then the shared
+stream continues as if the region drew one number. Drawing from the shared stream makes the region's seed part
+of the state activation checkpointing saves, so recomputation drops exactly what the forward dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["apply_rank_streams"]
+
+_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: seeds of neighbouring ranks are far apart
+
+
+class _RankStream:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def enter(self, key: int, training: bool) -> None:
+        if not training or key in self.saved:
+            return
+        seed = int(torch.randint(0, 2**62, (), device="cpu"))  # the shared stream moves on by one draw
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.saved[key] = (torch.get_rng_state(), cuda)
+        torch.manual_seed((seed + self.rank * _MIX) % 2**63)
+
+    def leave(self, key: int) -> None:
+        state = self.saved.pop(key, None)
+        if state is None:
+            return
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1])
+
+
+def apply_rank_streams(model: nn.Module, regions: Mapping[str, Sequence[str]], tp_rank: int) -> None:
+    """``regions``: module name -> the row-split projections that end its per-rank part (none: the whole module)."""
+    stream = _RankStream(tp_rank)
+    for name, rows in regions.items():
+        module = model.get_submodule(name)
+        key = id(module)
+
+        def enter(mod: nn.Module, args: Any, __key: int = key) -> None:
+            stream.enter(__key, mod.training)
+
+        def leave(*_: Any, __key: int = key) -> None:
+            stream.leave(__key)
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)
+        for row in rows:
+            model.get_submodule(row).register_forward_pre_hook(leave)

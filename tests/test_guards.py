@@ -1,0 +1,251 @@
+"""Guards: what used to pass through silently (or hang, or delete files) is now right or refused before work."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader
+
+from lightning_llmpar import LLMParallelStrategy, verify_parity
+from lightning_llmpar.checkpoint import read_meta
+from lightning_llmpar.data_position import ResumableDistributedSampler
+from lightning_llmpar.fault_tolerance import FaultTolerantCheckpoint, newest_complete_checkpoint
+from lightning_llmpar.models import GPTModule
+from tests.distributed import run_ranks
+from tests.workloads import TokenData, fit, make_gpt
+
+
+# ----------------------------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"pipeline_schedule": "1F1B"}, r"pipeline_schedule='1F1B' configure pipeline parallelism, but pipeline_parallel=1"),
+        ({"pipeline_microbatches": 4, "pipeline_split_points": [2]}, r"pipeline_microbatches=4, pipeline_split_points=\[2\]"),
+        ({"sequence_parallel": "False"}, r"`sequence_parallel` must be True or False, got 'False'"),
+        ({"loss_normalization": "sum"}, r"`loss_normalization` must be 'mean', 'tokens' or a callable"),
+        ({"sharding_backend": "deepspeed", "loss_normalization": "tokens"}, r"loss_normalization='tokens' .* DeepSpeed"),
+    ],
+)
+def test_options_that_would_be_ignored_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LLMParallelStrategy(**kwargs)
+
+
+class _Manual(GPTModule):
+    def __init__(self) -> None:
+        super().__init__(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32)
+        self.automatic_optimization = False
+
+
+def _fit_manual() -> None:
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(pipeline_parallel=2), max_steps=1,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(_Manual(), datamodule=TokenData(8))
+
+
+def test_manual_optimization_under_pipeline_is_refused() -> None:
+    with pytest.raises(RuntimeError, match=r"manual optimization \(automatic_optimization=False in _Manual\)"):
+        run_ranks(_fit_manual, 2)
+
+
+# ----------------------------------------------------------------------------------------- microbatches
+
+
+def test_short_last_batch_and_small_eval_batches_run_through_the_pipeline() -> None:
+    # 86 samples in batches of 16: the epoch's last batch holds 6, which 4 microbatches do not divide (3 of 2
+    # run instead); validation batches of 1 sample: fewer than the 4 stages.
+    kwargs = {"pipeline_parallel": 2, "pipeline_microbatches": 4}
+    ref = run_ranks(fit, 1, "gpt", None, batch_size=16, samples=86, epochs=1, steps=-1, sgd=True)[0]
+    outs = run_ranks(fit, 2, "gpt", kwargs, batch_size=16, samples=86, epochs=1, steps=-1, sgd=True)
+    assert len(ref["losses"]) == len(outs[0]["losses"]) == 6
+    for i, expected in enumerate(ref["losses"]):
+        assert abs(outs[0]["losses"][i] - expected) < 1e-5, i
+    small = run_ranks(fit, 2, "gpt", kwargs, batch_size=16, steps=1, validate=True, val_batch_size=1)
+    assert all("val/loss" in o["val"] for o in small)
+
+
+def test_last_batch_no_schedule_can_take_is_refused_before_training() -> None:
+    # 1F1B on 2 ranks needs 2 microbatches; a last batch of 1 sample cannot be split: refused before step one.
+    with pytest.raises(RuntimeError, match=r"A batch of 1 samples cannot be split into microbatches for pipeline_schedule='1F1B'"):
+        run_ranks(fit, 2, "gpt", {"pipeline_parallel": 2, "pipeline_schedule": "1F1B", "pipeline_microbatches": 2},
+                  batch_size=4, samples=17, epochs=1, steps=-1)
+
+
+# ----------------------------------------------------------------------------------------- step outputs
+
+
+class _DictOutputs(GPTModule):
+    def __init__(self) -> None:
+        super().__init__(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32)
+        self.seen: dict[str, Any] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        loss = super().training_step(batch, batch_idx)
+        return {"loss": loss, "tokens": torch.tensor(float(batch[0].numel()))}
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self._loss(self(x), y)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.seen["train"] = {k: float(v) for k, v in outputs.items()}
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.seen["val"] = None if outputs is None else float(outputs)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.seen["state_dict_keys"] = len(checkpoint["state_dict"])
+
+
+def _dict_outputs(tmp: str) -> dict[str, Any]:
+    module = _DictOutputs()
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(pipeline_parallel=2), max_steps=1,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=1,
+                      num_sanity_val_steps=0, use_distributed_sampler=False)
+    trainer.fit(module, datamodule=TokenData(8))
+    trainer.validate(module, datamodule=TokenData(8), verbose=False)
+    trainer.save_checkpoint(tmp)
+    return module.seen
+
+
+def test_pipeline_returns_what_the_step_returned_and_hooks_see_the_state_dict(tmp_path: Path) -> None:
+    for seen in run_ranks(_dict_outputs, 2, str(tmp_path / "c.ckpt")):
+        assert seen["train"]["tokens"] == 8 * 16 / 4 and seen["train"]["loss"] > 0  # a microbatch's tokens, averaged
+        assert seen["val"] is not None and seen["val"] > 0
+        assert seen["state_dict_keys"] > 0  # this rank's (stage's) entries
+
+
+# ----------------------------------------------------------------------------------------- checkpoints
+
+
+def test_pruning_keeps_files_the_run_did_not_write(tmp_path: Path) -> None:
+    for name in ("best.ckpt", "epoch=0-step=10.ckpt", "user.partial", ".epoch=0-step=10.ckpt.partial"):
+        (tmp_path / name).mkdir()
+    for step in (3, 6, 9):
+        (tmp_path / f"step={step}.ckpt").mkdir()
+    (tmp_path / ".step=12.ckpt.partial").mkdir()
+    FaultTolerantCheckpoint(str(tmp_path), keep_last=2)._prune(tmp_path)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([".epoch=0-step=10.ckpt.partial", "best.ckpt", "epoch=0-step=10.ckpt", "step=6.ckpt",
+                           "step=9.ckpt", "user.partial"])
+
+
+class _Payload:
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {os.environ['LLMPAR_MARKER']}",))
+
+
+def test_scanning_and_loading_never_run_code_from_a_checkpoint(tmp_path: Path) -> None:
+    run_ranks(fit, 1, "gpt", {}, batch_size=8, steps=2, save_to=str(tmp_path / "step=2.ckpt"))
+    planted = tmp_path / "step=999.ckpt"
+    import shutil
+
+    shutil.copytree(tmp_path / "step=2.ckpt", planted)
+    marker = tmp_path / "ran"
+    os.environ["LLMPAR_MARKER"] = str(marker)
+    torch.save({"evil": _Payload()}, planted / "meta.pt")
+    assert newest_complete_checkpoint(tmp_path) == planted  # intact as far as files go: scanned, not unpickled
+    assert not marker.exists()
+    with pytest.raises(ValueError, match=r"holds objects torch's safe loader does not allow.*weights_only=False"):
+        read_meta(planted)
+    assert not marker.exists()
+    assert read_meta(tmp_path / "step=2.ckpt")["global_step"] == 2
+
+
+def _validate_from(model: str, path: str) -> float:
+    from tests.workloads import MODELS
+
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=LLMParallelStrategy(), logger=False,
+                      enable_progress_bar=False, limit_val_batches=2)
+    return trainer.validate(MODELS[model](), datamodule=TokenData(8), ckpt_path=path, verbose=False)[0]["val/loss"]
+
+
+def test_weights_only_checkpoints_and_strict_loading(tmp_path: Path) -> None:
+    path = tmp_path / "w.ckpt"
+    run_ranks(fit, 1, "gpt", {}, batch_size=8, steps=2, save_to=str(path), save_weights_only=True)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    assert not any(k.startswith("optimizer_") for k in keys) and read_meta(path)["llmpar_optimizer_state"] is False
+    loss = run_ranks(_validate_from, 1, "gpt", str(path))[0]
+    # A module with a parameter the checkpoint lacks: refused unless its strict_loading is False.
+    with pytest.raises(RuntimeError, match=r"model.extra"):
+        run_ranks(_validate_from, 1, "gpt_extra", str(path))
+    assert run_ranks(_validate_from, 1, "gpt_extra_lenient", str(path))[0] == pytest.approx(loss, abs=1e-6)
+
+
+def test_resumable_sampler_with_the_wrong_layout_is_refused() -> None:
+    class _Data(TokenData):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(self.data, batch_size=4, sampler=ResumableDistributedSampler(self.data, num_replicas=2, rank=0))
+
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                      callbacks=[FaultTolerantCheckpoint(str(Path(os.getcwd()) / ".unused"))], enable_checkpointing=True)
+    with pytest.raises(ValueError, match=r"ResumableDistributedSampler\(num_replicas=2, rank=0\) does not match"):
+        trainer.fit(make_gpt(), datamodule=_Data(4))
+
+
+def test_step_guard_leaves_loss_scale_back_off_to_the_scaler() -> None:
+    # A huge initial scale overflows the first steps: the scaler skips them and backs off on every rank (its
+    # normal operation); the guard must not count them as bad steps and stop the run.
+    from lightning_llmpar.fault_tolerance import StepGuard
+
+    outs = run_ranks(fit, 2, "gpt", {"zero_stage": 2}, batch_size=8, steps=8, precision=("FP16Precision", {"init_scale": 2.0**40}),
+                     callbacks_extra=[StepGuard(max_consecutive_bad=2)])
+    for out in outs:
+        assert len(out["losses"]) == 8
+        assert out["plugin"]["scale"] < 2.0**40  # the scaler did back off
+        assert out["extra"][0]["skipped_steps"] == []
+
+
+# ----------------------------------------------------------------------------------------- parity self-check
+
+
+class _ReadsSequenceLength(LightningModule):
+    """A model whose block adds learned positions by the length of its own input: wrong under sequence
+    parallelism (each rank sees a shard of the sequence), which no plan can see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning_llmpar.models.gpt import GPT, GPTConfig
+
+        self.model = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32))
+        first = self.model.layers[0]
+        original = first.forward
+
+        def forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            return original(x + torch.arange(x.shape[1], dtype=x.dtype)[:, None] * 1e-2, cos, sin)
+
+        first.forward = forward
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+
+
+def test_parity_self_check_fails_on_a_layout_that_is_wrong_for_the_model() -> None:
+    report = verify_parity(_ReadsSequenceLength, "lightning_llmpar.data.CorpusDataModule", {"tensor_parallel": 2}, 2,
+                           data_kwargs={"block_size": 16, "batch_size": 4, "max_bytes": 20000}, steps=2, verbose=False)
+    assert not report.passed and report.first_differing is not None
+    assert "FAIL" in str(report)
+
+
+def test_llmpar_verify_passes_on_a_good_layout(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    args = ["verify", "--config", str(root / "examples/configs/single.yaml"), "--steps", "3", "--devices", "2",
+            "--trainer.strategy.tensor_parallel", "2", "--model.n_embd", "32", "--data.block_size", "16",
+            "--data.max_bytes", "20000"]
+    result = subprocess.run([sys.executable, "-m", "lightning_llmpar.cli", *args], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=600, env={**os.environ, "WANDB_MODE": "offline"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "PASS" in result.stdout and "first parameter whose gradient differs" not in result.stdout

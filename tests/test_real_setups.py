@@ -1,0 +1,244 @@
+"""Set-ups real fine-tuning runs use: frozen parameters, LoRA, Lightning's precision strings, DeepSpeed with our
+precision plugins, dropout, padding, dict outputs, short last batches. Each gives one process's result or is
+refused before any work."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from torch import nn
+
+from lightning_llmpar import LLMParallelStrategy
+from tests.distributed import run_ranks
+from tests.test_zoo import assert_exact
+from tests.zoo import fit_cases
+
+pytest.importorskip("transformers")
+
+BATCH = 8
+
+
+def _cases(world: int, cases: list[tuple[str, dict[str, Any] | None, dict[str, Any]]], timeout: float = 600) -> list[dict]:
+    """Run (model, strategy kwargs, options) cases, the global batch split over the data-parallel ranks."""
+    def per_rank(kwargs: dict[str, Any] | None) -> int:
+        if kwargs is None:
+            return BATCH
+        return BATCH * kwargs.get("tensor_parallel", 1) * kwargs.get("pipeline_parallel", 1) // world
+
+    specs = [(m, kw, opt.get("batch", per_rank(kw)), {**{k: v for k, v in opt.items() if k != "batch"}, "tag": str(i)})
+             for i, (m, kw, opt) in enumerate(cases)]
+    outs = run_ranks(fit_cases, world, specs, timeout=timeout)
+    return [[o[(m, str(i))] for o in outs] for i, (m, _, _) in enumerate(cases)]
+
+
+# ----------------------------------------------------------------------------------------- frozen parameters
+
+
+FROZEN = [{"frozen": "head_only", "clip": 1.0}, {"frozen": "lora", "clip": 1.0}]
+
+
+def test_frozen_parameters_and_lora_match_one_process_with_clipping() -> None:
+    pytest.importorskip("peft")
+    refs = _cases(1, [("llama", None, o) for o in FROZEN])
+    # A pipeline stage with nothing to train still joins the clipping collective (it used to hang here).
+    two = _cases(2, [("llama", {"pipeline_parallel": 2}, o) for o in FROZEN] + [("llama", {"zero_stage": 3}, FROZEN[1])],
+                 timeout=300)
+    for ref, outs in zip(refs + refs[1:], two):
+        assert_exact(ref[0], outs)
+    assert set(refs[1][0]["grads"]) == {n for n in refs[1][0]["grads"] if "lora_" in n}, "only adapters train"
+
+
+def test_lora_under_tensor_parallelism_is_refused_with_the_alternative() -> None:
+    pytest.importorskip("peft")
+    out = _cases(2, [("llama", {"tensor_parallel": 2}, {"frozen": "lora"})])[0]
+    assert "LoRA adapter (peft)" in out[0]["error"] and "pipeline_parallel and/or data parallelism" in out[0]["error"]
+
+
+# ----------------------------------------------------------------------------------------- precision
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize(
+    ("precision", "plugin", "tol"),
+    [("bf16-mixed", "BF16Precision", 5e-2), ("lightning-16-mixed", "FP16Precision", 5e-3), ("bf16-true", "BF16Precision", 2e-1)],
+)
+def test_lightning_precision_strings_become_mesh_aware(precision: str, plugin: str, tol: float) -> None:
+    # Gradients with SGD against fp32: a loss scale left in the gradients (16-mixed under a pipeline, where the
+    # schedule runs backward itself) would be off by a factor of 65536, not by rounding.
+    ref = _cases(1, [("llama", None, {"steps": 2})])[0][0]
+    runs = _cases(2, [("llama", kw, {"steps": 2, "precision": precision})
+                      for kw in ({"tensor_parallel": 2}, {"pipeline_parallel": 2})])
+    for outs in runs:
+        assert all("error" not in o for o in outs), outs[0].get("error")
+        assert {o["plugin"] for o in outs} == {plugin}
+        grads = {}
+        for o in outs:
+            grads.update(o["grads"])
+        worst = max(_relative(grads[n], g) for n, g in ref["grads"].items())
+        assert 0 < worst < tol, worst
+
+
+def test_precision_without_an_exact_equivalent_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"HalfPrecision\('16-true'\).*use precision='16-mixed'"):
+        Trainer(accelerator="cpu", devices=1, strategy=LLMParallelStrategy(), precision="16-true", logger=False)
+
+
+def test_deepspeed_runs_precision_plugins_in_the_engine() -> None:
+    from lightning_llmpar import BF16Precision, FP8Precision, FP16Precision
+
+    ds = {"sharding_backend": "deepspeed", "zero_stage": 2}
+    ref = _cases(1, [("llama", None, {"steps": 3})])[0][0]
+    runs = _cases(2, [("llama", ds, {"steps": 3, "precision": ("BF16Precision", {"mode": mode})}) for mode in ("true", "mixed")])
+    for outs, dtype in zip(runs, ("torch.bfloat16", "torch.float32")):
+        assert all("error" not in o for o in outs), outs[0].get("error")
+        assert {o["param_dtype"] for o in outs} == {dtype}  # bf16 true: the engine really holds bf16 weights
+        losses = [sum(o["losses"][i] for o in outs) / 2 for i in range(3)]
+        assert all(0 < abs(a - b) / b < 3e-2 for a, b in zip(losses, ref["losses"])), (losses, ref["losses"])
+    # The engine's fp16 needs an fp16-capable device; FP8 has no DeepSpeed equivalent.
+    for plugin, match in ((FP16Precision(), r"DeepSpeed's fp16 mode, which cpu does not support"), (FP8Precision(), r"no DeepSpeed equivalent")):
+        if isinstance(plugin, FP16Precision) and __import__("deepspeed").accelerator.get_accelerator().is_fp16_supported():
+            continue
+        with pytest.raises(ValueError, match=match):
+            Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(**ds), plugins=[plugin], logger=False)
+    assert BF16Precision  # imported for the plugins above
+
+
+# ----------------------------------------------------------------------------------------- padding
+
+
+def _same_training(ref: dict[str, Any], outs: list[dict[str, Any]]) -> None:
+    """First-step gradients and the weights after every step equal one process's (the logged losses are each
+    rank's or microbatch's own means, so they are not compared)."""
+    for out in outs:
+        assert "error" not in out, out["error"]
+    grads: dict[str, torch.Tensor] = {}
+    params: dict[str, torch.Tensor] = {}
+    for out in outs:
+        grads.update(out["grads"])
+        params.update(out["params"])
+    assert sorted(grads) == sorted(ref["grads"])
+    for name, g in ref["grads"].items():
+        torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=f"grad {name}")
+    for name, p in ref["params"].items():
+        torch.testing.assert_close(params[name], p, atol=5e-5, rtol=0, msg=f"param {name}")
+
+
+def test_padded_batches_token_exact_under_every_layout() -> None:
+    # Right-padded samples of random lengths: microbatches and data-parallel ranks hold different numbers of
+    # valid tokens. loss_normalization='tokens' gives one process's mean over all valid tokens of the batch.
+    opts = {"padded": True, "steps": 4}
+    ref = _cases(1, [("llama", None, opts)])[0][0]
+    tokens = {"loss_normalization": "tokens"}
+    two = _cases(2, [("llama", {**tokens, "zero_stage": 3}, opts), ("llama", {**tokens, "pipeline_parallel": 2}, opts),
+                     # 2 ranks x 2 accumulated micro-steps x 2 samples = the one-process batch of 8
+                     ("llama", {**tokens, "zero_stage": 2}, {**opts, "accumulate": 2, "batch": 2}),
+                     ("llama", {"zero_stage": 3}, opts)])
+    for outs in two[:3]:
+        _same_training(ref, outs)
+    # The default (a mean of per-rank means, as DDP) trains differently on padded data: what the option is for.
+    with pytest.raises(AssertionError):
+        _same_training(ref, two[3])
+
+
+# ----------------------------------------------------------------------------------------- dropout
+
+
+class _DropBlock(nn.Module):
+    def __init__(self, width: int, p: float) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential()
+        self.mlp.up_proj = nn.Linear(width, 4 * width)
+        self.mlp.act = nn.GELU()
+        self.mlp.drop = nn.Dropout(p)  # on this rank's features: independent per rank
+        self.mlp.down_proj = nn.Linear(4 * width, width)
+        self.resid_drop = nn.Dropout(p)  # on the residual stream: replicated (or token-sharded under SP)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.resid_drop(self.mlp(self.norm(x)))
+
+
+class _DropModel(LightningModule):
+    def __init__(self, p: float = 0.3, checkpointing: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(_DropBlock(32, p) for _ in range(2))
+        self.head = nn.Linear(32, 64)
+        self.masks: dict[str, list[torch.Tensor]] = {}
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Dropout):
+                m.register_forward_hook(lambda mod, i, o, name=name: self.masks.setdefault(name, []).append((o == 0).cpu()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _FirstGrads(Callback):
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if not self.grads:
+            from tests.zoo import full
+
+            self.grads = {n: full(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
+
+
+def _dropout_run(sequence_parallel: bool, checkpointing: bool) -> dict[str, Any]:
+    import os
+
+    from lightning_llmpar import ActivationCheckpointing
+
+    seed_everything(0, verbose=False)
+    module, record = _DropModel(), _FirstGrads()
+    callbacks: list[Callback] = [record] + ([ActivationCheckpointing(mode="full")] if checkpointing else [])
+    trainer = Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=1, logger=False,
+                      strategy=LLMParallelStrategy(tensor_parallel=2, sequence_parallel=sequence_parallel),
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=callbacks)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 64, (8, 16), generator=g)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(list(zip(x, torch.roll(x, 1, 1))), batch_size=8))
+    forward = {k: v[0] for k, v in module.masks.items()}  # the first call of each (recomputation calls again)
+    return {"masks": forward, "grads": record.grads, "calls": {k: len(v) for k, v in module.masks.items()}}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no-sp", "sp"])
+def test_dropout_streams_per_rank_where_data_is_sharded(sequence_parallel: bool) -> None:
+    outs = run_ranks(_dropout_run, 2, sequence_parallel, False)
+    a, b = (o["masks"] for o in outs)
+    for name in a:
+        assert abs(float(a[name].float().mean()) - 0.3) < 0.05, (name, float(a[name].float().mean()))
+    # Features of the MLP differ per rank: independent masks (agreement ~ 1 - 2p(1-p) = 0.58, not 1).
+    for layer in ("blocks.0.mlp.drop", "blocks.1.mlp.drop"):
+        agree = float((a[layer] == b[layer]).float().mean())
+        assert 0.45 < agree < 0.7, (layer, agree)
+    assert not torch.equal(a["blocks.0.mlp.drop"], a["blocks.1.mlp.drop"]), "each layer draws its own mask"
+    resid = ("blocks.0.resid_drop", "blocks.1.resid_drop")
+    if sequence_parallel:  # token shards: independent too
+        assert all(float((a[n] == b[n]).float().mean()) < 0.7 for n in resid)
+    else:  # the replicated residual stream: the same mask on every rank, or the replicas would diverge
+        assert all(torch.equal(a[n], b[n]) for n in resid)
+
+
+def test_dropout_recomputed_under_checkpointing_draws_the_same_masks() -> None:
+    plain = run_ranks(_dropout_run, 2, True, False)
+    recomputed = run_ranks(_dropout_run, 2, True, True)
+    assert recomputed[0]["calls"]["blocks.0.mlp.drop"] == 2  # forward and recomputation
+    for p, r in zip(plain, recomputed):
+        for name, grad in p["grads"].items():
+            torch.testing.assert_close(r["grads"][name], grad, atol=1e-6, rtol=0, msg=name)
