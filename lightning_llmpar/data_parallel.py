@@ -21,7 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from lightning_llmpar.structure import BlockStack
 
-__all__ = ["apply_data_parallel", "no_gradient_sync"]
+__all__ = ["apply_data_parallel", "has_forward", "no_gradient_sync", "shard_units"]
 
 
 def apply_data_parallel(
@@ -48,9 +48,23 @@ def apply_data_parallel(
     # i+1 overlaps compute of block i. The root then owns what is left (embeddings, norm, head).
     if blocks is not None:
         for block in blocks.modules():
-            fully_shard(block, **kwargs)
+            for unit in shard_units(block):
+                fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def has_forward(module: nn.Module) -> bool:
+    """Whether the module is ever called: containers (ModuleList, ModuleDict) only hold other modules."""
+    return type(module).forward is not nn.Module.forward
+
+
+def shard_units(module: nn.Module) -> list[nn.Module]:
+    """FSDP2 units for ``module``: itself if it has a forward (FSDP2's hooks run around calls), otherwise its
+    parameter-holding children, recursively (a block stored as ``ModuleList([norm, block, residual])``)."""
+    if has_forward(module):
+        return [module] if any(True for _ in module.parameters()) else []
+    return [unit for child in module.children() for unit in shard_units(child)]
 
 
 def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:

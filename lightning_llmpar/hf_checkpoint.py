@@ -207,12 +207,29 @@ def load_hf_checkpoint(
     """
     path = check_hf_directory(directory)
     prefix, model = _single_model(module)
-    packings, aliases = packings or {}, aliases or {}
     problems = _config_problems(model, path)
     files = _Files(path)
     converted = _conversions(model, files) if not problems else {}
-    tied = _tied_targets(model)
-    plan: list[tuple[Tensor, _Source, str, Packing | None]] = []
+    ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    fill_from_files(module, prefix, files, problems, converted, _tied_targets(model), packings or {}, aliases or {},
+                    ignore, f"hf_checkpoint={str(directory)!r} does not fit {type(model).__name__}")
+
+
+def fill_from_files(
+    module: nn.Module,
+    prefix: str,
+    files: Any,
+    problems: list[str],
+    converted: Mapping[str, _Source],
+    tied: Mapping[str, str],
+    packings: Mapping[str, Packing],
+    aliases: Mapping[str, str],
+    ignore: list[str],
+    what: str,
+) -> None:
+    """Fill the parameters (and stored buffers) under ``prefix`` from a checkpoint's ``files`` (``where``, ``shape``,
+    ``read``), each rank reading the canonical regions it holds; problems are agreed on by every rank first."""
+    plan: list[tuple[Tensor, _Source, Packing | None]] = []
     needed: set[str] = set()
     params = dict(module.named_parameters(remove_duplicate=False))
     for name, key in _hf_names(module, prefix, aliases).items():
@@ -229,13 +246,12 @@ def load_hf_checkpoint(
             problems.append(f"tensor '{key}' has shape {shape} in the checkpoint but {tuple(tensor.shape)} in the model")
             continue
         needed.update([source.key] if source.key else [k for keys in source.experts or [] for k in keys])
-        plan.append((tensor, source, key, packings.get(name)))
-    problems += _unexpected(files, needed, model)
+        plan.append((tensor, source, packings.get(name)))
+    problems += _unexpected(files, needed, ignore)
     problems = _agree(problems)
     if problems:
-        raise ValueError(f"hf_checkpoint={str(directory)!r} does not fit {type(model).__name__}: " + "; ".join(problems[:8])
-                         + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "") + ".")
-    for tensor, source, _, packing in plan:
+        raise ValueError(f"{what}: " + "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "") + ".")
+    for tensor, source, packing in plan:
         for canon, size, view in _regions(tensor, packing):
             view.copy_(_read(files, source, canon, size))
 
@@ -255,13 +271,13 @@ def _tied_targets(model: nn.Module) -> dict[str, str]:
     return dict(keys) if isinstance(keys, Mapping) else {}
 
 
-def _unexpected(files: _Files, needed: set[str], model: nn.Module) -> list[str]:
+def _unexpected(files: Any, needed: set[str], ignore_patterns: list[str]) -> list[str]:
     gathered = [needed]
     if dist.is_available() and dist.is_initialized():
         gathered = [set() for _ in range(dist.get_world_size())]
         dist.all_gather_object(gathered, needed)
     used = set().union(*gathered)
-    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    ignore = [re.compile(p) for p in ignore_patterns]
     extra = sorted(k for k in files.where if k not in used and not any(p.search(k) for p in ignore))
     return [f"tensor '{k}' in the checkpoint belongs to no parameter of the model" for k in extra[:4]] + (
         [f"{len(extra) - 4} more unexpected tensors"] if len(extra) > 4 else [])

@@ -24,7 +24,7 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from lightning_llmpar.structure import BlockStack, num_params
+from lightning_llmpar.structure import BlockStack, first_arg_name, num_params
 from lightning_llmpar.ties import TiedWeight, split_copies
 
 __all__ = [
@@ -37,6 +37,8 @@ __all__ = [
     "build_schedule",
     "replace_module",
     "stage_finder",
+    "stage_program",
+    "outside_owners",
 ]
 
 # Name -> stages per rank it needs (None: any number >= 2).
@@ -241,12 +243,13 @@ def _shipped_order(model: nn.Module, stack: BlockStack) -> tuple[set[str], set[s
     return before, after
 
 
-def _outside_owners(model: nn.Module, stack: BlockStack) -> tuple[list[str], list[str]]:
+def outside_owners(model: nn.Module, stack: BlockStack) -> tuple[list[str], list[str]]:
     """Modules outside the stack that hold parameters: (run before it, run after it).
 
-    Registration order decides, unless the model says otherwise: transformers' ``base_model_pp_plan``, or a
-    name that only a final norm or output head has. A wrong guess is caught at the first step (a stand-in
-    called on the wrong side of the blocks raises).
+    What was seen in a run of the model's step decides (``stack.ran_after``, see pipeline_check). A module not
+    seen running (its weight used directly) goes by registration order, unless the model says otherwise:
+    transformers' ``base_model_pp_plan``, or a name that only a final norm or output head has. A wrong guess is
+    caught at the first step (a stand-in called on the wrong side of the blocks raises).
     """
     shipped_before, shipped_after = _shipped_order(model, stack)
     before, after, seen_stack = [], [], False
@@ -262,6 +265,8 @@ def _outside_owners(model: nn.Module, stack: BlockStack) -> tuple[list[str], lis
         runs_after = seen_stack and name not in shipped_before
         if name in shipped_after or leaf in _AFTER_NAMES or leaf.startswith("final"):
             runs_after = True
+        if name in stack.ran_before or name in stack.ran_after:
+            runs_after = name in stack.ran_after
         (after if runs_after else before).append(name)
     return before, after
 
@@ -269,6 +274,53 @@ def _outside_owners(model: nn.Module, stack: BlockStack) -> tuple[list[str], lis
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def stage_program(
+    module: nn.Module,
+    blocks: nn.ModuleList,
+    window: tuple[int, int],
+    last: bool,
+    incoming: Tensor | None,
+    stand_ins: dict[str, nn.Module],
+    call: Callable[[], Any],
+) -> tuple[bool, Any]:
+    """Run ``call()`` (the user's step) as the stage holding blocks ``window``: modules of other stages replaced
+    by ``stand_ins``, ``incoming`` substituted for the first block's input, the step cut after the window's last
+    block unless ``last``. Returns (cut at the boundary, the activation there or the step's result)."""
+    start, stop = window
+    blocks._llmpar_window = tuple(range(start, stop))  # type: ignore[assignment]
+    blocks._llmpar_entered = False  # type: ignore[assignment]
+    originals = {name: module.get_submodule(name) for name in stand_ins}
+    for name, stand_in in stand_ins.items():
+        replace_module(module, name, stand_in)
+    first = blocks[start]
+    arg = first_arg_name(first)
+
+    def enter(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        blocks._llmpar_entered = True  # type: ignore[assignment]
+        if incoming is None:
+            return args, kwargs
+        if args:
+            return (incoming, *args[1:]), kwargs
+        return args, {**kwargs, arg: incoming}
+
+    def boundary(_m: nn.Module, _args: Any, output: Any) -> None:
+        raise StageBoundary(output[0] if isinstance(output, tuple) else output)
+
+    handles = [first.register_forward_pre_hook(enter, with_kwargs=True)]
+    if not last:
+        handles.append(blocks[stop - 1].register_forward_hook(boundary))
+    try:
+        return False, call()
+    except StageBoundary as done:
+        return True, done.activation
+    finally:
+        for handle in handles:
+            handle.remove()
+        blocks._llmpar_window = None  # type: ignore[assignment]
+        for name, original in originals.items():
+            replace_module(module, name, original)
 
 
 class StageModule(nn.Module):
@@ -288,7 +340,7 @@ class StageModule(nn.Module):
 
 def stage_finder(model: nn.Module, stack: BlockStack, layout: StageLayout) -> Callable[[str], int]:
     """Maps a parameter name of the unsplit model to the stage that holds it."""
-    before, after = _outside_owners(model, stack)
+    before, after = outside_owners(model, stack)
     block_stage = {i: s for s, (start, stop) in enumerate(layout.block_ranges) for i in range(start, stop)}
 
     def stage_of(name: str) -> int:
@@ -319,7 +371,7 @@ def split_model(
     resharded) the first stage's embedding. Tied weights used by several of this rank's stages get a
     copy per stage (see lightning_llmpar.ties).
     """
-    before, after = _outside_owners(model, stack)
+    before, after = outside_owners(model, stack)
     local = layout.stages_of(pp_rank)
     last = layout.num_stages - 1
     split_copies(model, tied, stage_finder(model, stack, layout), local)
@@ -365,7 +417,7 @@ def build_schedule(
 
 
 def stage_costs(model: nn.Module, stack: BlockStack) -> tuple[list[int], int, int]:
-    before, after = _outside_owners(model, stack)
+    before, after = outside_owners(model, stack)
     costs = [num_params(b) for b in stack.blocks]
     first = sum(sum(p.numel() for p in model.get_submodule(n).parameters(recurse=False)) for n in before)
     last = sum(sum(p.numel() for p in model.get_submodule(n).parameters(recurse=False)) for n in after)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,8 @@ from lightning_llmpar.pipeline_parallel import (
     stage_finder,
 )
 from lightning_llmpar.pipeline_step import PipelineRunner
+from lightning_llmpar.data_parallel import has_forward
+from lightning_llmpar.pipeline_check import check_split, checkable, run_whole
 from lightning_llmpar.structure import find_block_stack
 from lightning_llmpar.ties import TiedCopies, find_tied_weights
 
@@ -93,6 +96,7 @@ def build_pipeline(
     device: torch.device,
     tokens: Any = None,
     param_dtype: torch.dtype | None = None,
+    check: Callable[[], Any] | None = None,
 ) -> PipelineRunner:
     """Split ``module`` into this rank's stages (removing the rest) and return the runner that steps them."""
     pp_mesh = mesh["pp"]
@@ -102,9 +106,23 @@ def build_pipeline(
             f"Pipeline parallelism needs the model's blocks in one nn.ModuleList of identical modules; none was"
             f" found in {type(module).__name__}. See docs/model-convention.md."
         )
-    costs, first, last = stage_costs(module, stack)
+    containers = [n for n, b in zip(stack.names(), stack.modules()) if not has_forward(b)]
+    if containers:
+        raise ValueError(
+            f"Pipeline parallelism enters and leaves each stage at a block of '{stack.prefix}', but its blocks (e.g."
+            f" '{containers[0]}') are containers without a forward that the model never calls. Name a stack of blocks"
+            " its forward calls with block_stack='...', or train this model with tensor and data parallelism."
+        )
     num_stages = config.degree * config.virtual_stages
-    ranges = plan_stages(costs, num_stages, first_extra=first, last_extra=last, split_points=config.split_points)
+    with checkable(module) as real:
+        # The user's step, whole (which also shows what runs before and after the blocks) and then stage by
+        # stage, before anything is split.
+        reference = run_whole(module, stack, check) if check is not None and real else None
+        stack = reference.stack if reference is not None else stack
+        costs, first, last = stage_costs(module, stack)
+        ranges = plan_stages(costs, num_stages, first_extra=first, last_extra=last, split_points=config.split_points)
+        if reference is not None:
+            check_split(module, reference, ranges, check)
     layout = StageLayout(config.degree, config.virtual_stages, config.schedule in V_SCHEDULES, ranges)
     tied = find_tied_weights(module)
     stage_of = stage_finder(module, stack, layout)

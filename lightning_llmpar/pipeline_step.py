@@ -24,15 +24,13 @@ from torchmetrics import Metric
 
 from lightning_llmpar.pipeline_parallel import (
     BATCH_KWARG,
-    StageBoundary,
     StageLayout,
     StageModule,
     build_schedule,
-    replace_module,
+    stage_program,
 )
 from lightning_llmpar.batches import batch_size
 from lightning_llmpar.loss_normalization import TokenNormalizer
-from lightning_llmpar.structure import first_arg_name
 from lightning_llmpar.ties import TiedCopies
 
 __all__ = ["PipelineRunner", "bubble_fraction"]
@@ -164,42 +162,18 @@ class PipelineRunner:
     # ------------------------------------------------------------------ the stage program
 
     def run_stage(self, stage: int, batch: Any, incoming: Tensor | None) -> Tensor:
-        start, stop = self.layout.block_ranges[stage]
-        self.blocks._llmpar_window = tuple(range(start, stop))
-        self.blocks._llmpar_entered = False
-        if stage != 0:
-            for name, (_, stand_in) in self._swaps.items():
-                replace_module(self.module, name, stand_in)
-        first_block = self.blocks[start]
-        name = first_arg_name(first_block)
+        last = stage == self.layout.num_stages - 1
+        # Modules before the stack run as stand-ins on every stage but the first (they only give shapes; the
+        # stage's input replaces their output). Those after it are stand-ins already on ranks without the last.
+        stand_ins = {name: stand_in for name, (_, stand_in) in self._swaps.items()} if stage != 0 else {}
 
-        def enter(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            # A non-first stage takes the activation it received as the input of its first block.
-            self.blocks._llmpar_entered = True
-            if incoming is None:
-                return args, kwargs
-            if args:
-                return (incoming, *args[1:]), kwargs
-            return args, {**kwargs, name: incoming}
-
-        handles = [first_block.register_forward_pre_hook(enter, with_kwargs=True)]
-        if stage != self.layout.num_stages - 1:
-
-            def boundary(_m: nn.Module, _args: Any, output: Any) -> None:
-                raise StageBoundary(output[0] if isinstance(output, tuple) else output)
-
-            handles.append(self.blocks[stop - 1].register_forward_hook(boundary))
-        try:
+        def call() -> Any:
             with self._metrics_frozen() if self._inferring else nullcontext():
-                out = getattr(self.module, self._method)(batch, *self._step_args)
-        except StageBoundary as done:
-            return done.activation
-        finally:
-            for h in handles:
-                h.remove()
-            self.blocks._llmpar_window = None
-            for name, (real, _) in self._swaps.items():
-                replace_module(self.module, name, real)
+                return getattr(self.module, self._method)(batch, *self._step_args)
+
+        cut, out = stage_program(self.module, self.blocks, self.layout.block_ranges[stage], last, incoming, stand_ins, call)
+        if cut:
+            return out
         if not self._inferring:
             self._outputs.append(out)
         loss = out.get("loss") if isinstance(out, dict) else out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -45,6 +46,8 @@ from lightning_llmpar.compression import CompressionConfig
 from lightning_llmpar.compression_hooks import GradientCompression, apply_gradient_compression
 from lightning_llmpar.data_parallel import no_gradient_sync
 from lightning_llmpar.hf_checkpoint import check_hf_directory, load_hf_checkpoint
+from lightning_llmpar.litgpt_checkpoint import check_litgpt_directory, load_litgpt_checkpoint
+from lightning_llmpar.structure import mark_block_stack
 from lightning_llmpar.layout import ZERO_STAGES, ParallelLayout
 from lightning_llmpar.loss_normalization import TokenNormalizer, count_target_tokens
 from lightning_llmpar.materialize import materialize
@@ -60,6 +63,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LLMParallelStrategy"]
 
+log = logging.getLogger(__name__)
+
 _START_METHOD = Literal["popen", "spawn", "fork", "forkserver"]
 _BACKEND = Literal["fsdp2", "deepspeed"]
 
@@ -68,6 +73,22 @@ def _compression_config(value: Any, zero_stage: int, replicate: Any) -> Compress
     config = CompressionConfig.from_user(value)
     config.check_layout(zero_stage, hybrid=zero_stage > 0 and replicate not in ("auto", 1))
     return config
+
+
+def _first_sample(trainer: pl.Trainer) -> Any:
+    """One sample of the first training batch, drawn without moving any random state the run will use."""
+    try:
+        with torch.random.fork_rng(devices=[]):
+            loader = trainer.fit_loop._data_source.dataloader()
+            batch = next(iter(loader))
+    except Exception as err:  # noqa: BLE001 - the check is optional; the first step checks what it can
+        log.info("pipeline split not checked before training (no training batch at hand: %s)", err)
+        return None
+
+    def first(t: Any) -> Any:
+        return t[:1] if isinstance(t, Tensor) and t.dim() > 0 else t
+
+    return torch.utils._pytree.tree_map(first, batch)
 
 
 def _train_batch_sizes(trainer: pl.Trainer) -> list[tuple[int, int]]:
@@ -134,6 +155,12 @@ class LLMParallelStrategy(ParallelStrategy):
             and ignore_index -100 left out), exactly as one process computes it on the global batch; tokens
             are counted in a dict's 'labels' (shifted by one, as transformers' causal-LM loss) or the targets
             of an (inputs, targets) pair, or by a callable(batch) -> count given here.
+        block_stack: qualified name of the nn.ModuleList holding the model's blocks (e.g. 'model.layers'), for
+            models where the one found by structure is not it (see docs/model-convention.md).
+        pipeline_check: before splitting, run the step on one sample of the first training batch whole and
+            stage by stage and refuse a split that computes something else (see docs/model-convention.md).
+        litgpt_checkpoint: a LitGPT checkpoint directory (lit_model.pth + model_config.yaml) loaded into the
+            LitGPT model inside the LightningModule, each rank reading only its slices.
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
     """
 
@@ -160,6 +187,9 @@ class LLMParallelStrategy(ParallelStrategy):
         gradient_compression: str | dict[str, Any] | None = None,
         hf_checkpoint: str | None = None,
         loss_normalization: Literal["mean", "tokens"] | Callable[[Any], int] = "mean",
+        block_stack: str | None = None,
+        litgpt_checkpoint: str | None = None,
+        pipeline_check: bool = True,
         start_method: _START_METHOD = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -237,6 +267,13 @@ class LLMParallelStrategy(ParallelStrategy):
                 " sharding_backend='deepspeed' use 'onebit_adam' or 'zero_one_adam'."
             )
         self.hf_checkpoint = str(check_hf_directory(hf_checkpoint)) if hf_checkpoint is not None else None
+        self.litgpt_checkpoint = str(check_litgpt_directory(litgpt_checkpoint)) if litgpt_checkpoint is not None else None
+        if self.hf_checkpoint is not None and self.litgpt_checkpoint is not None:
+            raise ValueError("Give hf_checkpoint or litgpt_checkpoint, not both: they fill the same weights.")
+        if block_stack is not None and not isinstance(block_stack, str):
+            raise ValueError(f"LLMParallelStrategy: `block_stack` must be a module name such as 'model.layers', got {block_stack!r}.")
+        self._block_stack = block_stack
+        self._pipeline_check = pipeline_check
         if not (callable(loss_normalization) or loss_normalization in ("mean", "tokens")):
             raise ValueError(
                 f"LLMParallelStrategy: `loss_normalization` must be 'mean', 'tokens' or a callable(batch) -> token count,"
@@ -419,6 +456,8 @@ class LLMParallelStrategy(ParallelStrategy):
                 )
         else:
             stage_roots: list[torch.nn.Module] = []
+            if self._block_stack is not None:
+                mark_block_stack(module, self._block_stack)
             self._apply_precision_plan(module)
             if self._count_tokens is not None:
                 self._tokens = TokenNormalizer(self._count_tokens, self.layout.tp, self.layout.dp, self.root_device)
@@ -426,7 +465,8 @@ class LLMParallelStrategy(ParallelStrategy):
                 policy = self.parallel_config.mp_policy
                 param_dtype = policy.param_dtype if policy is not None else None
                 self._runner = build_pipeline(
-                    module, self.pipeline, self.device_mesh, self.root_device, self._tokens, param_dtype
+                    module, self.pipeline, self.device_mesh, self.root_device, self._tokens, param_dtype,
+                    check=self._split_check(trainer, module),
                 )
                 stage_roots = list(self._runner.stage_modules.values())
                 self._runner.scale_loss = getattr(self.precision_plugin, "scale_loss", None)
@@ -445,6 +485,8 @@ class LLMParallelStrategy(ParallelStrategy):
             materialize(module, self.root_device, find_tied_weights(module))
             if self.hf_checkpoint is not None:
                 load_hf_checkpoint(module, self.hf_checkpoint, self._parallelized.packings, self._aliases())
+            if self.litgpt_checkpoint is not None:
+                load_litgpt_checkpoint(module, self.litgpt_checkpoint, self._parallelized.packings, self._aliases())
             if self._runner is not None and self._runner.ties is not None:
                 self._runner.ties.make_equal()
         self.model = self.precision_plugin.convert_module(module)
@@ -467,6 +509,15 @@ class LLMParallelStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         self._install_global_clipping()
 
+    def _split_check(self, trainer: pl.Trainer, module: pl.LightningModule) -> Callable[[], Any] | None:
+        """The user's training step on one sample of the first training batch, for the pipeline split check."""
+        if not self._pipeline_check or trainer.state.fn != TrainerFn.FITTING:
+            return None
+        batch = _first_sample(trainer)
+        if batch is None:
+            return None
+        return lambda: module.training_step(batch, 0)
+
     def _apply_precision_plan(self, module: torch.nn.Module) -> None:
         # Module swaps (FP8 linears) come before anything is split or sharded; the FSDP2 mixed-precision
         # policy goes into the sharding step (see lightning_llmpar.precision).
@@ -483,7 +534,7 @@ class LLMParallelStrategy(ParallelStrategy):
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         # Meta device: real memory is allocated after parallelization, for each rank's shards only. When
         # Lightning lets the strategy decide (configure_model) and weights come from hf_checkpoint, meta too.
-        meta = empty_init or (empty_init is None and self.hf_checkpoint is not None)
+        meta = empty_init or (empty_init is None and (self.hf_checkpoint or self.litgpt_checkpoint) is not None)
         with torch.device("meta") if meta else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 

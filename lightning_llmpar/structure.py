@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["BlockStack", "find_block_stack", "first_arg_name", "num_params"]
+__all__ = ["BlockStack", "find_block_stack", "first_arg_name", "mark_block_stack", "num_params"]
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,10 @@ class BlockStack:
 
     prefix: str
     blocks: nn.ModuleList
+    # Modules outside the stack seen to run before / after its blocks in one run of the model's step
+    # (empty: not observed; the pipeline split then goes by registration order and names).
+    ran_before: frozenset[str] = frozenset()
+    ran_after: frozenset[str] = frozenset()
 
     def names(self) -> list[str]:
         # Keys, not positions: under pipeline parallelism a rank keeps only some blocks, under their
@@ -45,8 +49,29 @@ def num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+MARK = "_llmpar_block_stack"  # set on the ModuleList a user named with LLMParallelStrategy(block_stack=...)
+
+
+def mark_block_stack(model: nn.Module, name: str) -> None:
+    """Make ``name`` the block stack every technique uses, instead of the one found by structure."""
+    try:
+        stack = model.get_submodule(name)
+    except AttributeError as err:
+        raise ValueError(f"block_stack={name!r} names no module of {type(model).__name__}.") from err
+    if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
+        raise ValueError(
+            f"block_stack={name!r} is a {type(stack).__name__}; it must name the nn.ModuleList holding the model's"
+            " blocks, e.g. 'model.layers'."
+        )
+    setattr(stack, MARK, True)
+
+
 def find_block_stack(model: nn.Module) -> BlockStack | None:
-    """The ModuleList of same-class modules holding the most parameters, or None if there is none."""
+    """The ModuleList named by the user (``block_stack``), else the ModuleList of same-class modules holding the
+    most parameters, or None if there is none."""
+    for name, module in model.named_modules():
+        if getattr(module, MARK, False):
+            return BlockStack(prefix=name, blocks=module)  # type: ignore[arg-type]
     best: tuple[int, str, nn.ModuleList] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:

@@ -139,7 +139,6 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             value = loss.detach().float().reshape(1).to(pl_module.device)
-            strategy = trainer.strategy
             if spec["strategy"] is not None:  # mean over data-parallel ranks = the global batch's loss
                 dist.all_reduce(value)
                 value /= trainer.world_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +19,8 @@ from lightning_llmpar.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
+HAS_LITGPT = importlib.util.find_spec("litgpt") is not None
+NEEDS_LITGPT = pytest.mark.skipif(not HAS_LITGPT, reason="litgpt is not installed (pip install --no-deps litgpt)")
 
 
 def _train_from_single(tmp_path: Path, *overrides: str) -> dict[str, str]:
@@ -74,14 +77,27 @@ def tiny_pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
-def test_example_configs_build_a_valid_trainer(config: Path, tiny_pretrained: Path) -> None:
+@pytest.fixture(scope="module")
+def tiny_litgpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The LitGPT example's checkpoint, written offline as its header says."""
+    if not HAS_LITGPT:
+        pytest.skip("litgpt is not installed (pip install --no-deps litgpt)")
+    out = tmp_path_factory.mktemp("litgpt") / "tiny-litgpt"
+    subprocess.run([sys.executable, "-m", "lightning_llmpar.models.litgpt", str(ROOT / "examples/litgpt/tiny-llama"),
+                    str(out)], check=True, capture_output=True, timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("config", [pytest.param(c, marks=[NEEDS_LITGPT] if "litgpt" in c.stem else []) for c in CONFIGS],
+                         ids=[c.stem for c in CONFIGS])
+def test_example_configs_build_a_valid_trainer(config: Path, request: pytest.FixtureRequest) -> None:
     # The real parser instantiates model, data and Trainer; the strategy validates its layout
     # against the config's device count at Trainer construction.
     spec = yaml.safe_load(config.read_text())["trainer"]
     extra = []
-    if "hf_checkpoint" in spec["strategy"]["init_args"]:
-        extra = ["--trainer.strategy.hf_checkpoint", str(tiny_pretrained)]
+    for key, fixture in (("hf_checkpoint", "tiny_pretrained"), ("litgpt_checkpoint", "tiny_litgpt")):
+        if key in spec["strategy"]["init_args"]:
+            extra = [f"--trainer.strategy.{key}", str(request.getfixturevalue(fixture))]
     cli = main(["--config", str(config), *extra], run=False)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, LLMParallelStrategy)
@@ -112,3 +128,17 @@ def test_hugging_face_example_fine_tunes_and_exports(tmp_path: Path, tiny_pretra
     changed = [n for (n, a), (_, b) in zip(trained.named_parameters(), before.named_parameters()) if not torch.equal(a, b)]
     assert len(changed) == len(list(before.parameters())), "every weight was trained and exported"
     assert trained.lm_head.weight is trained.model.embed_tokens.weight  # still tied
+
+
+@NEEDS_LITGPT
+def test_litgpt_example_fine_tunes(tmp_path: Path, tiny_litgpt: Path) -> None:
+    # The documented LitGPT workflow: its checkpoint read per rank at tp2 x ZeRO-3, fine-tuned with `llmpar fit`.
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    args = ["fit", "--config", str(ROOT / "examples/configs/litgpt.yaml"), "--trainer.strategy.litgpt_checkpoint",
+            str(tiny_litgpt), "--model.model", str(ROOT / "examples/litgpt/tiny-llama"), "--trainer.max_steps", "3",
+            "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "1", "--data.max_bytes", "200000"]
+    result = subprocess.run([sys.executable, "-m", "lightning_llmpar.cli", *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    report = {line.split()[1]: line.split(maxsplit=2)[2] for line in result.stdout.splitlines() if line.startswith("llmpar: ")}
+    _assert_logged(report, ("train/loss",))

@@ -14,8 +14,7 @@ from torch import nn
 
 from lightning_llmpar import LLMParallelStrategy
 from tests.distributed import run_ranks
-from tests.test_zoo import assert_exact
-from tests.zoo import fit_cases
+from tests.zoo import assert_exact, fit_cases
 
 pytest.importorskip("transformers")
 

@@ -62,6 +62,40 @@ def make_config(name: str, dropout: float = 0.0) -> Any:
     return config
 
 
+LITGPT = {
+    "litgpt_llama": "Llama-3.2-1B", "litgpt_pythia": "pythia-14m", "litgpt_gemma2": "gemma-2-2b", "litgpt_phi2": "phi-2",
+    "litgpt_qwen3": "Qwen3-0.6B", "litgpt_mixtral": "Mixtral-8x7B-v0.1", "litgpt_falcon": "falcon-7b",
+}
+
+
+class LitGPTModule(LightningModule):
+    """LitGPT's GPT from a small config, as a Lightning user wraps it (logits, their own shifted loss)."""
+
+    def __init__(self, name: str, lr: float = 0.5, sgd: bool = True, **_: Any) -> None:
+        super().__init__()
+        from litgpt import Config
+        from litgpt.model import GPT
+
+        family = LITGPT[name]
+        extra = {"n_expert": 4, "n_expert_per_token": 2, "moe_intermediate_size": 64} if "Mixtral" in family else {}
+        config = Config.from_name(family, n_layer=4, n_embd=64, n_head=4, n_query_groups=2, head_size=16,
+                                  intermediate_size=128, vocab_size=VOCAB, padded_vocab_size=VOCAB, block_size=SEQ, **extra)
+        self.model = GPT(config)
+        self.lr, self.sgd = lr, sgd
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        logits = self.model(batch["input_ids"])
+        labels = batch["labels"]
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.sgd:
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
 class HFCausalLM(LightningModule):
     """How a user fine-tunes a transformers causal LM with Lightning, for one device."""
 
@@ -156,6 +190,29 @@ class Record(Callback):
             self.grads[aliases.get(name, name)] = grad
 
 
+def assert_exact(ref: dict[str, Any], outs: list[dict[str, Any]], sharded: bool = True) -> None:
+    """A layout's per-rank results reproduce the one-process reference: losses (mean over ranks) and every
+    parameter's gradient, fp32 within 1e-5."""
+    assert "error" not in ref, ref.get("error")
+    for out in outs:
+        assert "error" not in out, out["error"]
+    steps = len(ref["losses"])
+    assert steps >= 6 and all(len(o["losses"]) == steps for o in outs)
+    for i in range(steps):
+        loss = sum(o["losses"][i] for o in outs) / len(outs)
+        assert abs(loss - ref["losses"][i]) < 1e-5, f"step {i}: {loss} vs {ref['losses'][i]}"
+    grads: dict[str, torch.Tensor] = {}
+    for out in outs:
+        grads.update(out["grads"])
+    assert sorted(grads) == sorted(ref["grads"]), "every parameter gets its gradient on some rank"
+    for name, grad in ref["grads"].items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=f"grad {name}")
+    # No layout may run silently replicated: each rank holds a fraction of the parameters (ZeRO-1 shards only
+    # optimizer state).
+    if sharded:
+        assert all(o["held"] < 0.8 for o in outs), [o["held"] for o in outs]
+
+
 def fit_case(
     name: str,
     strategy_kwargs: dict[str, Any] | None,
@@ -164,6 +221,7 @@ def fit_case(
     *,
     meta: bool = False,
     pretrained: str | None = None,
+    litgpt_pretrained: str | None = None,
     save_hf: str | None = None,
     save_to: str | None = None,
     ckpt_path: str | None = None,
@@ -192,6 +250,8 @@ def fit_case(
     kwargs = dict(strategy_kwargs or {})
     if pretrained is not None and strategy_kwargs is not None:
         kwargs["hf_checkpoint"] = pretrained
+    if litgpt_pretrained is not None and strategy_kwargs is not None:
+        kwargs["litgpt_checkpoint"] = litgpt_pretrained
     plugins, precision_flag = _precision(precision)
     trainer = Trainer(
         accelerator="cpu",
@@ -202,12 +262,17 @@ def fit_case(
         gradient_clip_val=clip, accumulate_grad_batches=accumulate, plugins=plugins, precision=precision_flag,
     )
     with trainer.init_module(empty_init=meta) if strategy_kwargs is not None else nullcontext():
-        module = HFCausalLM(name, sgd=sgd, frozen=frozen, dropout=dropout)
+        from tests.custom_models import CUSTOM
+
+        cls = LitGPTModule if name in LITGPT else CUSTOM.get(name, HFCausalLM)
+        module = cls(name, sgd=sgd, frozen=frozen, dropout=dropout)
     total = sum(p.numel() for p in module.parameters())
     if pretrained is not None and strategy_kwargs is None:
         from transformers import AutoModelForCausalLM
 
         module.model = AutoModelForCausalLM.from_pretrained(pretrained, config=module.model.config)
+    if litgpt_pretrained is not None and strategy_kwargs is None:
+        module.model.load_state_dict(torch.load(f"{litgpt_pretrained}/lit_model.pth", weights_only=True))
     trainer.fit(module, datamodule=DictTokenData(batch_size, n=samples, padded=padded), ckpt_path=ckpt_path)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
@@ -256,6 +321,20 @@ def logits_of(directory: str) -> torch.Tensor:
     ids = (torch.arange(SEQ).reshape(1, SEQ) * 7) % (VOCAB - 2) + 2
     with torch.no_grad():
         return model(input_ids=ids).logits
+
+
+def save_litgpt(name: str, directory: str, seed: int = 42) -> None:
+    """A small LitGPT checkpoint of zoo model ``name``: lit_model.pth + model_config.yaml, as LitGPT writes them."""
+    import dataclasses
+    from pathlib import Path
+
+    import yaml
+
+    torch.manual_seed(seed)
+    model = LitGPTModule(name).model
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), f"{directory}/lit_model.pth")
+    Path(f"{directory}/model_config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(model.config)))
 
 
 def save_pretrained(name: str, directory: str, seed: int = 42) -> None:

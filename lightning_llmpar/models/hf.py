@@ -12,13 +12,14 @@ checkpoint of that config (config.json + safetensors), offline, to try the workf
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor
+
+from lightning_llmpar.models.schedule import adamw_warmup_cosine
 
 __all__ = ["HFCausalLM", "write_random_checkpoint"]
 
@@ -76,16 +77,8 @@ class HFCausalLM(LightningModule):
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        optimizer = torch.optim.AdamW(self.parameters(), lr=hp.learning_rate, weight_decay=hp.weight_decay)
-
-        def schedule(step: int) -> float:
-            if step < hp.warmup_steps:
-                return (step + 1) / hp.warmup_steps
-            progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.total_steps - hp.warmup_steps))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_warmup_cosine(self.parameters(), hp.learning_rate, hp.warmup_steps, hp.total_steps,
+                                   weight_decay=hp.weight_decay)
 
 
 def write_random_checkpoint(config_dir: str, out_dir: str, seed: int = 0) -> None:

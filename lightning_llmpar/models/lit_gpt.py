@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import math
 
-import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor
 from torchmetrics.text import Perplexity
 
 from lightning_llmpar.models.gpt import GPT, GPTConfig
+from lightning_llmpar.models.schedule import adamw_warmup_cosine
 
 __all__ = ["GPTModule"]
 
@@ -66,17 +65,5 @@ class GPTModule(LightningModule):
         hp = self.hparams
         decay = [p for p in self.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.parameters() if p.ndim < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.learning_rate,
-            betas=(0.9, 0.95),
-        )
-
-        def schedule(step: int) -> float:
-            if step < hp.warmup_steps:
-                return (step + 1) / hp.warmup_steps
-            progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.total_steps - hp.warmup_steps))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return adamw_warmup_cosine(groups, hp.learning_rate, hp.warmup_steps, hp.total_steps, betas=(0.9, 0.95))

@@ -29,10 +29,11 @@ UP = {"up_proj", "gate_proj", "w1", "w3", "fc1", "c_fc", "fc_in", "gate", "up", 
 DOWN = {"down_proj", "w2", "fc2", "fc_out", "c_proj", "down", "dense_4h_to_h", "lin2", "proj"}
 FUSED_UP = {"gate_up_proj", "w13", "fc1_gate"}
 
-# Attributes an attention module may read to reshape into heads; they hold per-rank counts after TP.
+# Attributes an attention module (or its own config) may read to reshape into heads; they hold per-rank
+# counts after TP.
 HEAD_COUNT_ATTRS = (
     "num_heads", "n_heads", "n_head", "num_attention_heads", "n_local_heads",
-    "num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "n_local_kv_heads",
+    "num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "n_local_kv_heads", "n_query_groups",
 )
 # Width attributes (heads x head_dim) some attention modules reshape or split with.
 WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size", "inner_dim", "n_embd", "split_size")
@@ -85,7 +86,19 @@ def _falcon(attn: nn.Module, tp: int) -> FusedLayout:
     )
 
 
-FUSED_QKV_LAYOUTS: dict[str, Callable[[nn.Module, int], FusedLayout]] = {
+def _causal_self_attention(attn: nn.Module, tp: int) -> FusedLayout | None:
+    config = getattr(attn, "config", None)
+    if config is not None and hasattr(config, "n_query_groups"):
+        # LitGPT: qkv rows [all q; all k; all v], split with config.n_head / n_query_groups / head_size.
+        return _concat(attn, tp, 0, config.n_head, config.n_query_groups, config.head_size)
+    if isinstance(getattr(attn, "n_head", None), int) and isinstance(getattr(attn, "n_embd", None), int):
+        # nanoGPT: c_attn rows [all q; all k; all v], split with n_embd.
+        return _concat(attn, tp, 0, attn.n_head, attn.n_head, attn.n_embd // attn.n_head)
+    return None
+
+
+FUSED_QKV_LAYOUTS: dict[str, Callable[[nn.Module, int], FusedLayout | None]] = {
+    "CausalSelfAttention": _causal_self_attention,
     "GPT2Attention": _gpt2,
     "Phi3Attention": _phi3,
     "GPTNeoXAttention": _per_head,

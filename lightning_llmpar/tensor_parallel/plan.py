@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
+from lightning_llmpar.data_parallel import has_forward
 from lightning_llmpar.structure import find_block_stack
 from lightning_llmpar.tensor_parallel import families as fam
 from lightning_llmpar.tensor_parallel.packing import Packing
@@ -147,6 +148,8 @@ class _Planner:
         self.result = TPPlan(sequence_parallel=seq)
         self.styles = self.result.styles
         self.claimed: set[str] = set()
+        self._expert_modules: set[str] = set()
+        self._moe_parents: set[str] = set()
         self.roles = shipped_roles(model)
         for name, module in model.named_modules():
             for pattern, spec in user_plan.items():
@@ -177,6 +180,11 @@ class _Planner:
                 f" `tp_plan` mapping module-name patterns to styles {sorted(TP_STYLES)}."
             )
         names = stack.names() if stack is not None else []
+        if self.seq and stack is not None and not all(has_forward(b) for b in stack.modules()):
+            raise _SequenceParallelUnfit(
+                f"the blocks of '{stack.prefix}' are containers without a forward, so the sequence cannot be split at"
+                " their boundaries"
+            )
         for block_name, block in zip(names, stack.modules() if stack is not None else []):
             self._plan_block(block_name, block)
         if stack is not None and self.seq and names:
@@ -218,8 +226,8 @@ class _Planner:
         MoE layer), and under sequence parallelism the block's dropout modules outside them (token shards)."""
         streams = self.result.rank_streams
         for name, inline in regions.items():
-            if inline:
-                continue
+            if inline or _join(name, "") in self._moe_parents:
+                continue  # a layer of expert modules: its experts are regions of their own, its router shared
             experts = [n for n, s in self.styles.items() if n.startswith(name + ".") and isinstance(s, SplitExperts)]
             rows = [n for n, s in self.styles.items() if n.startswith(name + ".") and isinstance(s, SplitLinear)
                     and s.kind == "row" and n.count(".") == name.count(".") + 1]
@@ -264,6 +272,11 @@ class _Planner:
         if experts:
             self._plan_moe(full, module, experts, covered)
             return False
+        expert_list = next((n for n, c in children.items() if self._is_expert_list(c)), None)
+        if expert_list is not None:
+            self._plan_expert_list(full, module, expert_list, covered)
+            return False
+        in_moe = full in self._expert_modules
         name_roles = self._name_roles({n: c for n, c in children.items() if _linear_like(c)})
         roles = {n: r for n, c in children.items() if (r := self._role(_join(full, n), n, c, name_roles))}
         cols = [n for n, r in roles.items() if r in ("col", "qkv", "gate_up")]
@@ -276,7 +289,7 @@ class _Planner:
         inline = not attention and is_block
         heads = self._plan_attention(full, module, roles, cols) if attention else None
         col_in = TOKEN if (self.seq and inline) else Replicate()
-        row_out = TOKEN if self.seq else Replicate()
+        row_out = TOKEN if self.seq and not in_moe else Replicate()  # an expert's output is combined whole
         for n in sorted(cols):
             name = _join(full, n)
             packing = heads.packing if heads is not None and roles[n] == "qkv" else None
@@ -289,7 +302,7 @@ class _Planner:
                 self._record_packing(name, children[n], packing)
         for n in sorted(rows):
             self._add(_join(full, n), SplitLinear("row", output=row_out), covered)
-        if self.seq and not inline:
+        if self.seq and not inline and not in_moe:
             self._add(full + "#in", PrepareFirstInput(TOKEN, Replicate()), covered)
         if not inline:
             covered.add(full)
@@ -312,7 +325,9 @@ class _Planner:
         if layout is not None:
             counts.setdefault("query heads", layout.heads)
             counts.setdefault("key/value heads", layout.kv_heads)
-        head_dim = getattr(attn, "head_dim", None)
+        head_dim = getattr(attn, "head_dim", None) or getattr(getattr(attn, "config", None), "head_size", None)
+        if layout is not None and layout.packing is not None:
+            head_dim = layout.packing.sizes[0] // layout.heads
         if isinstance(head_dim, int) and head_dim > 0 and not fused:
             q = next((n for n in cols if n.lower() in fam.Q), None)
             k = next((n for n in cols if n.lower() in fam.K), None)
@@ -343,12 +358,13 @@ class _Planner:
             if isinstance(value, int) and q_width and value == q_width:
                 patch[attr] = value // self.tp
         config = getattr(attn, "config", None)
-        if config is not None and isinstance(getattr(config, "num_attention_heads", None), int):
-            # Some attention code splits with the (shared) config's head counts: give it its own copy.
-            patch["config.num_attention_heads"] = config.num_attention_heads // self.tp
-            kv = getattr(config, "num_key_value_heads", None)
-            if isinstance(kv, int):
-                patch["config.num_key_value_heads"] = kv // self.tp
+        if config is not None:
+            # Some attention code splits with the (shared) config's head counts (Phi-3, LitGPT): give it its
+            # own copy with this rank's counts.
+            for attr in fam.HEAD_COUNT_ATTRS:
+                value = getattr(config, attr, None)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    patch[f"config.{attr}"] = value // self.tp
         if patch:
             self.result.local_counts[full] = patch
 
@@ -362,6 +378,30 @@ class _Planner:
                 self.styles[name] = ReplicatedOnShards(2)  # per head: this rank's heads, gradient summed
             else:
                 self.styles[name] = ShardedNorm()  # over all heads' features: split with them
+
+    def _is_expert_list(self, module: nn.Module) -> bool:
+        """A ModuleList of identical MLP modules (LitGPT's LLaMAMoE experts, Megatron-style expert lists)."""
+        if not isinstance(module, nn.ModuleList) or len(module) < 2 or len({type(m) for m in module}) != 1:
+            return False
+        linears = {n: c for n, c in module[0].named_children() if _linear_like(c)}
+        roles = set(self._name_roles(linears).values())
+        return bool(roles & {"col", "gate_up"}) and "row" in roles
+
+    def _plan_expert_list(self, full: str, moe: nn.Module, expert_list: str, covered: set[str]) -> None:
+        """A MoE layer whose experts are MLP modules: each expert is split like an MLP (its output all-reduced,
+        since the layer combines it with routing weights); the layer takes the full sequence; routers stay whole
+        (the experts' outputs are complete, so is their gradient)."""
+        experts = moe.get_submodule(expert_list)
+        self._moe_parents.add(full)
+        self._expert_modules.update(_join(full, f"{expert_list}.{i}") for i in range(len(experts)))
+        for n, child in moe.named_children():
+            params = list(child.parameters())
+            if n != expert_list and len(params) == 1 and params[0].dim() == 2 and params[0].shape[0] == len(experts):
+                covered.add(_join(full, n))
+        if self.seq:
+            self._add(full + "#in", PrepareFirstInput(TOKEN, Replicate()), covered)
+            self._add(full + "#out", GatherFirstOutput(Replicate(), TOKEN), covered)
+        covered.update([full, _join(full, expert_list)])
 
     def _plan_moe(self, full: str, moe: nn.Module, experts: list[str], covered: set[str]) -> None:
         num_experts = {p.shape[0] for n in experts for p in moe.get_submodule(n).parameters(recurse=False)}

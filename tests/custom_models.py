@@ -1,0 +1,105 @@
+"""Models from outside the Llama mould, written as other libraries write them (dict batches, one device)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+
+VOCAB, WIDTH = 64, 32
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class _Residual(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + y
+
+
+class _Base(LightningModule):
+    def __init__(self, name: str = "", lr: float = 0.5, sgd: bool = True, **_: Any) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.lr = lr
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        logits = self.head(self.norm(self.body(self.emb(batch["input_ids"]))))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class Containers(_Base):
+    """Layers as ModuleList containers [norm, block, residual] without a forward, iterated by the parent."""
+
+    def __init__(self, name: str = "", **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        self.layers = nn.ModuleList(nn.ModuleList([nn.LayerNorm(WIDTH), _MLP(), _Residual()]) for _ in range(4))
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, block, residual in self.layers:
+            x = residual(x, block(norm(x)))
+        return x
+
+
+class _TypedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(WIDTH), _MLP()
+        self.scale = {"wide": 1.0, "narrow": 0.5}
+
+    def forward(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        return x + self.scale[kind] * self.mlp(self.norm(x))
+
+
+class Zipped(_Base):
+    """A forward that walks a per-layer list beside the blocks, by position."""
+
+    def __init__(self, name: str = "", **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        self.layers = nn.ModuleList(_TypedBlock() for _ in range(4))
+        self.layer_types = ["wide", "narrow", "narrow", "wide"]
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        for kind, layer in zip(self.layer_types, self.layers):
+            x = layer(x, kind)
+        return x
+
+
+class ReusesEmbedding(Zipped):
+    """Every block also adds the embedding output: a value from before the stack, used after it."""
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        first = x
+        for kind, layer in zip(self.layer_types, self.layers):
+            x = layer(x, kind) + 0.1 * first
+        return x
+
+
+class Unchained(Zipped):
+    """Blocks applied side by side to the embedding, not one after another."""
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        out = x
+        for kind, layer in zip(self.layer_types, self.layers):
+            out = layer(x, kind)
+        return out
+
+
+CUSTOM = {"containers": Containers, "zipped": Zipped, "reuses_embedding": ReusesEmbedding, "unchained": Unchained}
