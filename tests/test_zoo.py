@@ -10,7 +10,6 @@ import importlib.util
 from typing import Any
 
 import pytest
-import torch
 
 from tests.distributed import run_ranks
 from tests.zoo import assert_exact, fit_cases
