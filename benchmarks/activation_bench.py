@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_llmpar.activation_checkpoint import ActivationCheckpointing
-from lightning_llmpar.activation_memory import block_activation_formula, korthikanti_bytes
+from lightning_llmpar.activation_checkpointing.memory import block_activation_formula, korthikanti_bytes
+from lightning_llmpar.activation_checkpointing.policy import ActivationCheckpointing
 from lightning_llmpar.models.gpt import GPT, GPTConfig
 
 OUT = Path(__file__).parent / "results" / "activation.json"

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from tests.distributed import run_ranks
+from tests.fault_tolerance.test_fault_tolerance import STEPS, _committed, _run_until_done
 from tests.ft_train import train
-from tests.test_fault_tolerance import STEPS, _committed, _run_until_done
 
 OUT = Path(__file__).parent / "results" / "fault_tolerance.json"
 

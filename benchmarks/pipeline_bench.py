@@ -21,10 +21,10 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_llmpar import LLMParallelStrategy
+from lightning_llmpar.callbacks.timeline import PipelineTimeline
 from lightning_llmpar.models import GPTModule
 from lightning_llmpar.models.gpt import GPT
-from lightning_llmpar.pipeline_parallel import plan_stages
-from lightning_llmpar.pipeline_timeline import PipelineTimeline
+from lightning_llmpar.pipeline.stages import plan_stages
 from tests.distributed import run_ranks
 
 OUT = Path(__file__).parent / "results" / "pipeline.json"

@@ -22,10 +22,10 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 from lightning_llmpar import LLMParallelStrategy
-from lightning_llmpar.callbacks import ThroughputAndMemory
+from lightning_llmpar.callbacks.throughput import ThroughputAndMemory
 from lightning_llmpar.data import CorpusDataModule
 from lightning_llmpar.models import GPTModule
-from lightning_llmpar.precision import BF16Precision, FP8Precision
+from lightning_llmpar.precision.plugins import BF16Precision, FP8Precision
 
 OUT = Path(__file__).parent / "results" / "precision_gpu.json"
 # ~1B parameters at width 2048; the FP8 target is stated for width >= 4096 (matmuls big enough that

@@ -1,13 +1,23 @@
-"""lightning_llmpar: LLM-style parallelism (tensor, sequence, ZeRO/FSDP, hybrid) for any LightningModule."""
+"""lightning_llmpar: LLM-style parallelism (tensor, sequence, pipeline, ZeRO/FSDP, hybrid) for any LightningModule.
 
-from lightning_llmpar.activation_checkpoint import ActivationCheckpointing
-from lightning_llmpar.checkpoint import export_consolidated
-from lightning_llmpar.hf_checkpoint import HFCheckpointExport, load_hf_checkpoint, save_hf_checkpoint
+Everything a user names in code or in a LightningCLI YAML config is importable from here.
+"""
+
+from lightning_llmpar.activation_checkpointing import ActivationCheckpointing
+from lightning_llmpar.callbacks import PipelineTimeline, ThroughputAndMemory
+from lightning_llmpar.checkpointing import (
+    HFCheckpointExport,
+    export_consolidated,
+    load_hf_checkpoint,
+    load_litgpt_checkpoint,
+    save_hf_checkpoint,
+)
+from lightning_llmpar.fault_tolerance import FaultTolerantCheckpoint, ResumableDistributedSampler, StepGuard
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.parallelize import ParallelConfig, parallelize
 from lightning_llmpar.precision import BF16Precision, FP8Precision, FP16Precision
-from lightning_llmpar.registry import PRESETS, register_strategies
-from lightning_llmpar.strategy import LLMParallelStrategy
+from lightning_llmpar.strategies.llm_parallel import LLMParallelStrategy
+from lightning_llmpar.strategies.registry import PRESETS, register_strategies
 from lightning_llmpar.verify import ParityReport, verify_parity
 
 __version__ = "0.1.0"
@@ -24,7 +34,13 @@ __all__ = [
     "export_consolidated",
     "save_hf_checkpoint",
     "load_hf_checkpoint",
+    "load_litgpt_checkpoint",
     "HFCheckpointExport",
+    "FaultTolerantCheckpoint",
+    "StepGuard",
+    "ResumableDistributedSampler",
+    "ThroughputAndMemory",
+    "PipelineTimeline",
     "verify_parity",
     "ParityReport",
     "PRESETS",

@@ -10,13 +10,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_llmpar.activation_checkpoint import ActivationCheckpointing
-from lightning_llmpar.compression import CompressionConfig
-from lightning_llmpar.data_parallel import apply_data_parallel
+from lightning_llmpar.activation_checkpointing.policy import ActivationCheckpointing
+from lightning_llmpar.data_parallel.compression.methods import CompressionConfig
+from lightning_llmpar.data_parallel.fsdp import apply_data_parallel
 from lightning_llmpar.layout import ParallelLayout
-from lightning_llmpar.structure import find_block_stack
+from lightning_llmpar.modeling.structure import find_block_stack
+from lightning_llmpar.modeling.ties import find_tied_weights, retie
 from lightning_llmpar.tensor_parallel import Packing, apply_tensor_parallel, infer_tp_plan
-from lightning_llmpar.ties import find_tied_weights, retie
 
 __all__ = ["ParallelConfig", "Parallelized", "parallelize"]
 
@@ -32,7 +32,7 @@ class ParallelConfig:
     # Apply FSDP2 even with one data-parallel rank: its policy is what casts fp32 master weights to the
     # compute dtype (BF16 true).
     always_shard: bool = False
-    # Compresses the data-parallel gradient sync (see lightning_llmpar.compression_hooks).
+    # Compresses the data-parallel gradient sync (see lightning_llmpar.data_parallel.compression.hooks).
     gradient_compression: CompressionConfig | None = None
 
 
@@ -55,7 +55,7 @@ def parallelize(
 ) -> Parallelized:
     """Apply tensor parallelism, then data parallelism (ZeRO via FSDP2), to ``model`` in place.
 
-    Order matters. The pipeline split (done before this, see pipeline_parallel.split_model) comes
+    Order matters. The pipeline split (done before this, see pipeline.split.split_model) comes
     first so each rank only shards what it keeps. Tensor parallelism comes next because FSDP2 shards
     the DTensors TP produced along the data-parallel axis (giving dp x tp parameters). Activation
     checkpointing belongs between the two so recomputation replays the sharded ops, and FSDP wraps

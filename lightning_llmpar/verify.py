@@ -118,8 +118,8 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     """One run (one process, or this rank of the layout): losses, grad norms, first-step full gradients on rank 0."""
     from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
 
-    from lightning_llmpar import LLMParallelStrategy
-    from lightning_llmpar.clip import total_grad_norm
+    from lightning_llmpar.strategies.llm_parallel import LLMParallelStrategy
+    from lightning_llmpar.training.clip import total_grad_norm
 
     seed_everything(spec["seed"], verbose=False)
     module = _load(spec["model"])(**spec["model_kwargs"])
@@ -185,7 +185,7 @@ def _first_step_grads(module: Any, strategy: Any, distributed: bool) -> dict[str
         grads.setdefault(aliases.get(name, name), grad.detach().float().cpu())
     if not distributed:
         return grads
-    from lightning_llmpar.hf_checkpoint import _gather_stages
+    from lightning_llmpar.checkpointing.hf import _gather_stages
 
     merged = _gather_stages(strategy, grads)
     return merged if dist.get_rank() == 0 else {}

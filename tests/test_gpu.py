@@ -26,7 +26,7 @@ def test_nccl_layouts_match_single_process(kwargs: dict[str, Any]) -> None:
     outs = run_ranks(fit, 2, "gpt", kwargs, batch_size=GLOBAL_BATCH // dp, accelerator="cuda")
     ref = reference_for("gpt")
     if "pipeline_parallel" in kwargs:
-        from tests.test_pipeline import assert_pipeline_parity
+        from tests.pipeline.test_pipeline import assert_pipeline_parity
 
         assert_pipeline_parity(ref, outs)
     else:

@@ -12,13 +12,12 @@ from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
 
 from lightning_llmpar import LLMParallelStrategy, verify_parity
-from lightning_llmpar.checkpoint import read_meta
-from lightning_llmpar.data_position import ResumableDistributedSampler
-from lightning_llmpar.fault_tolerance import FaultTolerantCheckpoint, newest_complete_checkpoint
+from lightning_llmpar.checkpointing.dcp import read_meta
+from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint, newest_complete_checkpoint
+from lightning_llmpar.fault_tolerance.sampler import ResumableDistributedSampler
 from lightning_llmpar.models import GPTModule
 from tests.distributed import run_ranks
 from tests.workloads import TokenData, fit, make_gpt
-
 
 # ----------------------------------------------------------------------------------------- options
 
@@ -195,7 +194,7 @@ def test_resumable_sampler_with_the_wrong_layout_is_refused() -> None:
 def test_step_guard_leaves_loss_scale_back_off_to_the_scaler() -> None:
     # A huge initial scale overflows the first steps: the scaler skips them and backs off on every rank (its
     # normal operation); the guard must not count them as bad steps and stop the run.
-    from lightning_llmpar.fault_tolerance import StepGuard
+    from lightning_llmpar.fault_tolerance.callbacks import StepGuard
 
     outs = run_ranks(fit, 2, "gpt", {"zero_stage": 2}, batch_size=8, steps=8, precision=("FP16Precision", {"init_scale": 2.0**40}),
                      callbacks_extra=[StepGuard(max_consecutive_bad=2)])

@@ -145,7 +145,7 @@ def fit(
     recorder = Recorder()
     callbacks: list[Callback] = [recorder]
     if checkpointing is not None:
-        from lightning_llmpar.activation_checkpoint import ActivationCheckpointing
+        from lightning_llmpar.activation_checkpointing.policy import ActivationCheckpointing
 
         callbacks.append(ActivationCheckpointing(**checkpointing))
     callbacks.extend(callbacks_extra or [])

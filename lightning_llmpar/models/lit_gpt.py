@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor

@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import RowwiseParallel
 
-from lightning_llmpar.data_parallel import has_forward
-from lightning_llmpar.structure import find_block_stack
+from lightning_llmpar.modeling.structure import find_block_stack, has_forward
 from lightning_llmpar.tensor_parallel import families as fam
+from lightning_llmpar.tensor_parallel.entries import TP_STYLES, PlanEntry, SequenceParallelUnfit, TPPlan, user_style
+from lightning_llmpar.tensor_parallel.entries import has_params as _has_params
+from lightning_llmpar.tensor_parallel.entries import is_norm as _is_norm
+from lightning_llmpar.tensor_parallel.entries import join as _join
+from lightning_llmpar.tensor_parallel.entries import linear_like as _linear_like
+from lightning_llmpar.tensor_parallel.moe import MoEPlanning, fused_experts
 from lightning_llmpar.tensor_parallel.packing import Packing
 from lightning_llmpar.tensor_parallel.shipped import shipped_roles
 from lightning_llmpar.tensor_parallel.styles import (
@@ -40,91 +44,9 @@ from lightning_llmpar.tensor_parallel.styles import (
     weight_placement,
 )
 
-__all__ = ["TPPlan", "TP_STYLES", "infer_tp_plan", "PlanEntry"]
+__all__ = ["TPPlan", "TP_STYLES", "infer_tp_plan", "PlanEntry"]  # TPPlan, TP_STYLES, PlanEntry: see entries
 
 log = logging.getLogger(__name__)
-
-PlanEntry = ParallelStyle | None  # None: leave the module replicated
-
-
-@dataclass
-class TPPlan:
-    """Styles per module (``name#tag`` when one module gets several), plus what the styles imply:
-    ``packings`` (parameter name -> fused layout), ``local_counts`` (module -> head-count attributes to
-    set per rank), and whether sequence parallelism stayed on."""
-
-    styles: dict[str, PlanEntry] = field(default_factory=dict)
-    packings: dict[str, Packing] = field(default_factory=dict)
-    local_counts: dict[str, dict[str, int]] = field(default_factory=dict)
-    sequence_parallel: bool = False
-    notes: list[str] = field(default_factory=list)
-    # Modules whose activations differ per rank, up to their row-split projections: their dropout runs on a
-    # per-rank random stream (see tensor_parallel.rng).
-    rank_streams: dict[str, list[str]] = field(default_factory=dict)
-
-
-def _user_style(spec: Any, module: nn.Module, tp: int, name: str, pattern: str) -> tuple[PlanEntry, Packing | None]:
-    """An explicit tp_plan value: a style name, or ``{"style": ..., "sizes": [...], "dim": d}`` for a fused
-    projection whose pieces (in order, along ``dim``) each split over the ranks."""
-    if isinstance(spec, Mapping):
-        style = spec.get("style", "colwise")
-        sizes = spec.get("sizes")
-        if style not in ("colwise", "packed_colwise") or not sizes:
-            raise ValueError(
-                f"tp_plan entry for '{name}' = {dict(spec)!r}: a dict entry describes a fused projection, e.g."
-                " {'style': 'colwise', 'sizes': [q_rows, k_rows, v_rows]} (add 'dim': 1 for a weight stored (in, out))."
-            )
-        dim = int(spec.get("dim", 1 if is_conv1d(module) else 0))
-        packing = Packing(dim, tuple(int(s) for s in sizes), tp)
-        if packing.total != module.weight.shape[dim]:
-            raise ValueError(
-                f"tp_plan['{name}'] sizes {list(sizes)} add up to {packing.total}, but the weight has"
-                f" {module.weight.shape[dim]} along dim {dim}."
-            )
-        return SplitLinear("col", packing=packing), packing
-    if spec not in TP_STYLES:
-        raise ValueError(f"tp_plan[{pattern!r}] = {spec!r} is not a known style. Use one of {sorted(TP_STYLES)}.")
-    return TP_STYLES[spec](), None
-
-
-# Styles an explicit plan can name (Python or YAML); transformers' names are accepted too.
-TP_STYLES: dict[str, Any] = {
-    "colwise": lambda: SplitLinear("col"),
-    "colwise_gather": lambda: SplitLinear("col", output=Replicate()),
-    "colwise_gather_output": lambda: SplitLinear("col", output=Replicate()),
-    "rowwise": lambda: SplitLinear("row"),
-    "rowwise_split_input": lambda: SplitLinear("row", input=Replicate()),
-    "rowwise_sequence": lambda: SplitLinear("row", output=TOKEN),
-    "embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-    "sequence_parallel": lambda: ReplicatedOnShards(2),
-    "replicated_with_grad_allreduce": lambda: ReplicatedOnShards(2),
-    "sharded_norm": lambda: ShardedNorm(),
-    "prepare_sequence": lambda: PrepareFirstInput(TOKEN, Replicate()),
-    "replicate": lambda: None,
-}
-
-
-class _SequenceParallelUnfit(Exception):
-    """This model cannot run with sequence-sharded activations inside its blocks; the plan is redone without."""
-
-
-def _join(prefix: str, name: str) -> str:
-    if not name:
-        return prefix
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _linear_like(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or is_conv1d(module)
-
-
-def _is_norm(module: nn.Module) -> bool:
-    return "norm" in type(module).__name__.lower() and not any(True for _ in module.children())
-
-
-def _has_params(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters(recurse=False))
-
 
 def infer_tp_plan(
     model: nn.Module, tp: int, *, sequence_parallel: bool = True, user_plan: Mapping[str, Any] | None = None
@@ -133,7 +55,7 @@ def infer_tp_plan(
     if sequence_parallel:
         try:
             return _Planner(model, tp, True, user_plan or {}).plan()
-        except _SequenceParallelUnfit as why:
+        except SequenceParallelUnfit as why:
             note = f"sequence parallelism turned off for {type(model).__name__}: {why}"
             log.info(note)
             plan = _Planner(model, tp, False, user_plan or {}).plan()
@@ -142,7 +64,7 @@ def infer_tp_plan(
     return _Planner(model, tp, False, user_plan or {}).plan()
 
 
-class _Planner:
+class _Planner(MoEPlanning):
     def __init__(self, model: nn.Module, tp: int, seq: bool, user_plan: Mapping[str, Any]) -> None:
         self.model, self.tp, self.seq = model, tp, seq
         self.result = TPPlan(sequence_parallel=seq)
@@ -154,7 +76,7 @@ class _Planner:
         for name, module in model.named_modules():
             for pattern, spec in user_plan.items():
                 if name and fnmatchcase(name, pattern):
-                    style, packing = _user_style(spec, module, tp, name, pattern)
+                    style, packing = user_style(spec, module, tp, name, pattern)
                     self.styles[name] = style
                     self.claimed.add(name)
                     if packing is not None:
@@ -181,7 +103,7 @@ class _Planner:
             )
         names = stack.names() if stack is not None else []
         if self.seq and stack is not None and not all(has_forward(b) for b in stack.modules()):
-            raise _SequenceParallelUnfit(
+            raise SequenceParallelUnfit(
                 f"the blocks of '{stack.prefix}' are containers without a forward, so the sequence cannot be split at"
                 " their boundaries"
             )
@@ -266,9 +188,9 @@ class _Planner:
     def _plan_region(self, full: str, module: nn.Module, covered: set[str], is_block: bool) -> bool | None:
         """Plan ``module`` if its children form a region; returns whether the region is inline, else None."""
         children = dict(module.named_children())
-        if self._role(full, "", module, {}) == "experts" or _fused_experts(module):
+        if self._role(full, "", module, {}) == "experts" or fused_experts(module):
             return None  # planned with its MoE parent
-        experts = [n for n, c in children.items() if self.roles.get(_join(full, n)) == "experts" or _fused_experts(c)]
+        experts = [n for n, c in children.items() if self.roles.get(_join(full, n)) == "experts" or fused_experts(c)]
         if experts:
             self._plan_moe(full, module, experts, covered)
             return False
@@ -379,63 +301,6 @@ class _Planner:
             else:
                 self.styles[name] = ShardedNorm()  # over all heads' features: split with them
 
-    def _is_expert_list(self, module: nn.Module) -> bool:
-        """A ModuleList of identical MLP modules (LitGPT's LLaMAMoE experts, Megatron-style expert lists)."""
-        if not isinstance(module, nn.ModuleList) or len(module) < 2 or len({type(m) for m in module}) != 1:
-            return False
-        linears = {n: c for n, c in module[0].named_children() if _linear_like(c)}
-        roles = set(self._name_roles(linears).values())
-        return bool(roles & {"col", "gate_up"}) and "row" in roles
-
-    def _plan_expert_list(self, full: str, moe: nn.Module, expert_list: str, covered: set[str]) -> None:
-        """A MoE layer whose experts are MLP modules: each expert is split like an MLP (its output all-reduced,
-        since the layer combines it with routing weights); the layer takes the full sequence; routers stay whole
-        (the experts' outputs are complete, so is their gradient)."""
-        experts = moe.get_submodule(expert_list)
-        self._moe_parents.add(full)
-        self._expert_modules.update(_join(full, f"{expert_list}.{i}") for i in range(len(experts)))
-        for n, child in moe.named_children():
-            params = list(child.parameters())
-            if n != expert_list and len(params) == 1 and params[0].dim() == 2 and params[0].shape[0] == len(experts):
-                covered.add(_join(full, n))
-        if self.seq:
-            self._add(full + "#in", PrepareFirstInput(TOKEN, Replicate()), covered)
-            self._add(full + "#out", GatherFirstOutput(Replicate(), TOKEN), covered)
-        covered.update([full, _join(full, expert_list)])
-
-    def _plan_moe(self, full: str, moe: nn.Module, experts: list[str], covered: set[str]) -> None:
-        num_experts = {p.shape[0] for n in experts for p in moe.get_submodule(n).parameters(recurse=False)}
-        for n, child in moe.named_children():
-            params = list(child.parameters())
-            if n not in experts and len(params) == 1 and params[0].dim() == 2 and params[0].shape[0] in num_experts:
-                # The router stays whole: the experts' inputs (tokens, routing weights) sum their gradients over
-                # ranks, so it receives the full gradient.
-                covered.add(_join(full, n))
-        for n in experts:
-            name = _join(full, n)
-            module = moe.get_submodule(n)
-            params = {}
-            for pname, p in module.named_parameters(recurse=False):
-                if p.dim() != 3:
-                    raise ValueError(f"MoE experts '{name}': parameter '{pname}' is not a 3-D (experts, out, in) weight.")
-                if "down" in pname or pname == "w2":
-                    params[pname] = (2, None)
-                else:
-                    packing = Packing(1, (p.shape[1] // 2, p.shape[1] // 2), self.tp) if "gate_up" in pname or pname == "w13" else None
-                    params[pname] = (1, packing)
-                    if packing is not None:
-                        self.result.packings[_join(name, pname)] = packing
-                if p.shape[params[pname][0]] % self.tp:
-                    raise ValueError(
-                        f"MoE experts '{name}.{pname}' has FFN width {p.shape[params[pname][0]]}, not divisible by"
-                        f" tensor_parallel({self.tp})."
-                    )
-            self._add(name, SplitExperts(params), covered)
-        if self.seq:
-            self._add(full + "#in", PrepareFirstInput(TOKEN, Replicate()), covered)
-            self._add(full + "#out", GatherFirstOutput(Replicate(), TOKEN), covered)
-        covered.add(full)
-
     # ------------------------------------------------------------------ everything else in a block
 
     def _plan_rest(self, block_name: str, block: nn.Module, covered: set[str], regions: dict[str, bool]) -> None:
@@ -466,7 +331,7 @@ class _Planner:
                 if (_is_norm(sub) or self.roles.get(full) == "norm") and full not in self.claimed:
                     self.styles[full] = ReplicatedOnShards(2)
                 else:
-                    raise _SequenceParallelUnfit(
+                    raise SequenceParallelUnfit(
                         f"'{full}' ({type(sub).__name__}) holds parameters outside attention and MLP and is not a norm,"
                         " so it would see only this rank's tokens"
                     )
@@ -532,9 +397,4 @@ class _Planner:
                 else:
                     owners[id(param)] = (_join(name, pname), placement)
 
-
-def _fused_experts(module: nn.Module) -> bool:
-    """transformers-style fused experts: 3-D expert weights such as gate_up_proj (E, 2I, H), down_proj (E, H, I)."""
-    params = dict(module.named_parameters(recurse=False))
-    return len(params) >= 2 and all(p.dim() == 3 for p in params.values()) and any("down" in n or n == "w2" for n in params)
 

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_llmpar.structure import first_arg_name
+from lightning_llmpar.modeling.structure import first_arg_name
 from lightning_llmpar.tensor_parallel.packing import Packing, to_packed
 
 __all__ = [

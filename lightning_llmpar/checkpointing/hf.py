@@ -1,0 +1,387 @@
+"""Hugging Face checkpoints in and out at any layout.
+
+In: ``LLMParallelStrategy(hf_checkpoint=DIR)`` loads a local model directory (config.json + safetensors) into
+the transformers model inside the LightningModule after it is parallelized: each rank reads only the
+slices it holds (safetensors slicing, memory-mapped), whatever splits them (tensor parallel, fused pieces,
+ZeRO shards, pipeline stages). Checkpoints in transformers' legacy MoE layout (one tensor per expert) are
+sliced per expert through transformers' own conversion mapping.
+
+Out: :func:`save_hf_checkpoint` gathers the weights (named and laid out as one process has them) to rank 0,
+which writes them with transformers' ``save_pretrained``, so ``AutoModelForCausalLM.from_pretrained`` loads
+the directory in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_llmpar.modeling.materialize import pretrained_models
+from lightning_llmpar.tensor_parallel.packing import Packing, canonical_regions, local_region, to_canonical
+
+__all__ = ["HFCheckpointExport", "check_hf_directory", "hf_state_dict", "load_hf_checkpoint", "save_hf_checkpoint"]
+
+_CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "intermediate_size", "n_embd", "n_layer", "n_head")
+
+
+def check_hf_directory(directory: str | Path) -> Path:
+    """A local transformers model directory: config.json and at least one safetensors file."""
+    path = Path(directory).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"hf_checkpoint={str(directory)!r} is not a directory. Pass a local Hugging Face model folder"
+                         " (config.json + *.safetensors), e.g. one written by save_pretrained.")
+    if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
+        raise ValueError(f"hf_checkpoint={str(directory)!r} has no config.json or no *.safetensors file; write it with"
+                         " save_pretrained(..., safe_serialization=True).")
+    return path
+
+
+def _single_model(module: nn.Module) -> tuple[str, nn.Module]:
+    found = pretrained_models(module)
+    if len(found) != 1:
+        raise ValueError(
+            f"hf_checkpoint loads into the one transformers PreTrainedModel inside {type(module).__name__}; found"
+            f" {len(found)} ({[n or type(m).__name__ for n, m in found]})."
+        )
+    return found[0]
+
+
+class _Files:
+    """Key -> file of a safetensors checkpoint (sharded with an index, or not), opened lazily."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            self.where = {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        else:
+            self.where = {}
+            for file in sorted(path.glob("*.safetensors")):
+                with safe_open(str(file), "pt") as handle:
+                    self.where.update({k: file for k in handle.keys()})
+        self._open: dict[Path, Any] = {}
+        self._safe_open = safe_open
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._handle(key).get_slice(key).get_shape())
+
+    def read(self, key: str, region: tuple[slice, ...]) -> Tensor:
+        return self._handle(key).get_slice(key)[region]
+
+    def _handle(self, key: str) -> Any:
+        file = self.where[key]
+        if file not in self._open:
+            self._open[file] = self._safe_open(str(file), "pt")
+        return self._open[file]
+
+
+@dataclass
+class _Source:
+    """Where a model tensor comes from: a file tensor, or per-expert file tensors stacked (legacy MoE)."""
+
+    key: str | None = None
+    experts: list[list[str]] | None = None  # [piece][expert] -> file key, pieces concatenated along ``dim``
+    dim: int = 1
+
+
+def _conversions(model: nn.Module, files: _Files) -> dict[str, _Source]:
+    """Model key -> source for checkpoints saved in another layout, from transformers' own conversion mapping:
+    renamed keys (Mixtral's ``block_sparse_moe`` -> ``mlp``) and per-expert tensors stacked and concatenated
+    into fused experts (MergeModulelist + Concatenate). Other conversions are not sliceable here."""
+    try:
+        from transformers.conversion_mapping import extract_weight_conversions_for_model
+        from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
+    except ImportError:
+        return {}
+    transforms = extract_weight_conversions_for_model(model) or []
+    renames = [t for t in transforms if isinstance(t, WeightRenaming) and not isinstance(t, WeightConverter)]
+    renamed: dict[str, str] = {}
+    for key in files.where:
+        new = key
+        for r in renames:
+            for src, tgt in zip(r.source_patterns, r.target_patterns):
+                new = re.sub(src, tgt, new)
+        renamed[key] = new
+    out = {new: _Source(key=key) for key, new in renamed.items() if new != key}
+    for conv in (t for t in transforms if isinstance(t, WeightConverter)):
+        ops = list(conv.operations)
+        if not ops or not isinstance(ops[0], MergeModulelist) or any(not isinstance(o, Concatenate) for o in ops[1:]):
+            continue
+        dim = ops[1].dim if len(ops) > 1 else 1
+        pieces = [re.compile(re.escape(p).replace(r"\*", r"(\d+)") + "$") for p in conv.source_patterns]
+        for key, new in renamed.items():
+            for i, pattern in enumerate(pieces):
+                match = pattern.search(new)
+                if match is None:
+                    continue
+                source = out.setdefault(new[: match.start()] + conv.target_patterns[0],
+                                        _Source(experts=[[] for _ in pieces], dim=dim))
+                slots = source.experts[i]  # type: ignore[index]
+                expert = int(match.group(1))
+                slots.extend([""] * (expert + 1 - len(slots)))
+                slots[expert] = key
+    return out
+
+
+def _regions(tensor: Tensor, packing: Packing | None) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], Tensor]]:
+    """(canonical offsets, sizes, local view) for every piece of this rank's data of ``tensor``."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if isinstance(tensor, DTensor):
+        sizes, offsets = local_region(tensor)
+    else:
+        sizes, offsets = tuple(tensor.shape), (0,) * tensor.dim()
+    for canon, size, start in canonical_regions(sizes, offsets, packing):
+        view = local
+        for d, (begin, length) in enumerate(zip(start, size)):
+            view = view.narrow(d, begin, length)
+        yield canon, size, view
+
+
+def _read(files: _Files, source: _Source, canon: tuple[int, ...], size: tuple[int, ...]) -> Tensor:
+    region = tuple(slice(o, o + s) for o, s in zip(canon, size))
+    if source.key is not None:
+        return files.read(source.key, region)
+    # Legacy MoE: target (experts, rows, cols) = stack over experts of [piece 0; piece 1; ...] along source.dim.
+    assert source.experts is not None
+    rows_of = [files.shape(keys[0])[source.dim - 1] for keys in source.experts]
+    out = []
+    for e in range(canon[0], canon[0] + size[0]):
+        parts, start = [], 0
+        for keys, rows in zip(source.experts, rows_of):
+            lo, hi = max(canon[source.dim], start), min(canon[source.dim] + size[source.dim], start + rows)
+            if lo < hi:
+                sub = list(region[1:])
+                sub[source.dim - 1] = slice(lo - start, hi - start)
+                parts.append(files.read(keys[e], tuple(sub)))
+            start += rows
+        out.append(torch.cat(parts, dim=source.dim - 1))
+    return torch.stack(out)
+
+
+def _source_shape(files: _Files, source: _Source) -> tuple[int, ...]:
+    if source.key is not None:
+        return files.shape(source.key)
+    assert source.experts is not None
+    shapes = [files.shape(keys[0]) for keys in source.experts]
+    merged = list(shapes[0])
+    merged[source.dim - 1] = sum(s[source.dim - 1] for s in shapes)
+    return (len(source.experts[0]), *merged)
+
+
+def _hf_names(module: nn.Module, prefix: str, aliases: Mapping[str, str]) -> dict[str, str]:
+    """Local parameter/persistent-buffer name -> the key transformers saves it under."""
+    names: dict[str, str] = {}
+    tensors = list(module.named_parameters(remove_duplicate=False))
+    persistent = [(n, b) for n, b in module.named_buffers(remove_duplicate=False)
+                  if n.rpartition(".")[2] not in getattr(module.get_submodule(n.rpartition(".")[0]), "_non_persistent_buffers_set", ())]
+    for name, _ in tensors + persistent:
+        canonical = aliases.get(name, name)
+        if prefix and not canonical.startswith(prefix + "."):
+            continue
+        names[name] = canonical[len(prefix) + 1 :] if prefix else canonical
+    return names
+
+
+@torch.no_grad()
+def load_hf_checkpoint(
+    module: nn.Module, directory: str | Path, packings: Mapping[str, Packing] | None = None,
+    aliases: Mapping[str, str] | None = None,
+) -> None:
+    """Fill the transformers model inside ``module`` (already parallelized, on every rank) from ``directory``.
+
+    Every rank checks every tensor it needs first; problems found anywhere are raised on every rank, so no
+    rank is left waiting in a collective.
+    """
+    path = check_hf_directory(directory)
+    prefix, model = _single_model(module)
+    problems = _config_problems(model, path)
+    files = _Files(path)
+    converted = _conversions(model, files) if not problems else {}
+    ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    fill_from_files(module, prefix, files, problems, converted, _tied_targets(model), packings or {}, aliases or {},
+                    ignore, f"hf_checkpoint={str(directory)!r} does not fit {type(model).__name__}")
+
+
+def fill_from_files(
+    module: nn.Module,
+    prefix: str,
+    files: Any,
+    problems: list[str],
+    converted: Mapping[str, _Source],
+    tied: Mapping[str, str],
+    packings: Mapping[str, Packing],
+    aliases: Mapping[str, str],
+    ignore: list[str],
+    what: str,
+) -> None:
+    """Fill the parameters (and stored buffers) under ``prefix`` from a checkpoint's ``files`` (``where``, ``shape``,
+    ``read``), each rank reading the canonical regions it holds; problems are agreed on by every rank first."""
+    plan: list[tuple[Tensor, _Source, Packing | None]] = []
+    needed: set[str] = set()
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for name, key in _hf_names(module, prefix, aliases).items():
+        tensor = params[name] if name in params else module.get_buffer(name)
+        file_key = key if key in files.where else tied.get(key, key)
+        source = _Source(key=file_key) if file_key in files.where else converted.get(key)
+        if source is None:
+            if name not in params:
+                continue  # a buffer the checkpoint does not store keeps its initialized value
+            problems.append(f"tensor '{key}' (parameter '{name}', shape {tuple(tensor.shape)}) is missing")
+            continue
+        shape = _source_shape(files, source)
+        if shape != tuple(tensor.shape):
+            problems.append(f"tensor '{key}' has shape {shape} in the checkpoint but {tuple(tensor.shape)} in the model")
+            continue
+        needed.update([source.key] if source.key else [k for keys in source.experts or [] for k in keys])
+        plan.append((tensor, source, packings.get(name)))
+    problems += _unexpected(files, needed, ignore)
+    problems = _agree(problems)
+    if problems:
+        raise ValueError(f"{what}: " + "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "") + ".")
+    for tensor, source, packing in plan:
+        for canon, size, view in _regions(tensor, packing):
+            view.copy_(_read(files, source, canon, size))
+
+
+def _config_problems(model: nn.Module, path: Path) -> list[str]:
+    theirs = json.loads((path / "config.json").read_text())
+    ours = model.config.to_dict() if hasattr(model.config, "to_dict") else {}
+    return [f"config.json has {f}={theirs[f]!r} but the model has {ours[f]!r}" for f in _CONFIG_FIELDS
+            if f in theirs and f in ours and theirs[f] != ours[f]]
+
+
+def _tied_targets(model: nn.Module) -> dict[str, str]:
+    """Tied parameter -> the key its values are saved under (transformers drops the tied copy)."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return {}
+    keys = getattr(model, "_tied_weights_keys", None) or {}
+    return dict(keys) if isinstance(keys, Mapping) else {}
+
+
+def _unexpected(files: Any, needed: set[str], ignore_patterns: list[str]) -> list[str]:
+    gathered = [needed]
+    if dist.is_available() and dist.is_initialized():
+        gathered = [set() for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, needed)
+    used = set().union(*gathered)
+    ignore = [re.compile(p) for p in ignore_patterns]
+    extra = sorted(k for k in files.where if k not in used and not any(p.search(k) for p in ignore))
+    return [f"tensor '{k}' in the checkpoint belongs to no parameter of the model" for k in extra[:4]] + (
+        [f"{len(extra) - 4} more unexpected tensors"] if len(extra) > 4 else [])
+
+
+def _agree(problems: list[str]) -> list[str]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return problems
+    gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, problems)
+    seen: dict[str, None] = {}
+    for rank_problems in gathered:
+        seen.update(dict.fromkeys(rank_problems))
+    return list(seen)
+
+
+# ---------------------------------------------------------------------------------------------- out
+
+
+def hf_state_dict(module: nn.Module, packings: Mapping[str, Packing] | None = None,
+                  aliases: Mapping[str, str] | None = None, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """Full (gathered, canonical) tensors of the transformers model this rank's pipeline stage holds.
+
+    Collective: every rank calls it; the ranks of one pipeline stage gather their shards together.
+    """
+    prefix, _ = _single_model(module)
+    packings, aliases = packings or {}, aliases or {}
+    params = dict(module.named_parameters(remove_duplicate=False))
+    out: dict[str, Tensor] = {}
+    for name, key in _hf_names(module, prefix, aliases).items():
+        tensor = params[name] if name in params else module.get_buffer(name)
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if name in packings:
+            full = to_canonical(full, packings[name])
+        full = full.detach().to("cpu", dtype=dtype if dtype is not None and full.is_floating_point() else full.dtype)
+        out.setdefault(key, full.clone())
+    return out
+
+
+def save_hf_checkpoint(trainer: Any, directory: str | Path, dtype: torch.dtype | str | None = None) -> Path:
+    """Write the trained transformers model as a directory ``from_pretrained`` loads; call it on every rank.
+
+    The weights are gathered to global rank 0 (host memory for one full copy), which writes them with the
+    model's own ``save_pretrained`` into a staging folder renamed into place when complete.
+    """
+    strategy = trainer.strategy
+    module = trainer.lightning_module
+    path = Path(directory)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    prefix, model = _single_model(module)
+    state = hf_state_dict(module, getattr(strategy, "packings", {}), getattr(strategy, "tied_aliases", {}), dtype)
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if distributed:
+        state = _gather_stages(strategy, state)
+    if not distributed or dist.get_rank() == 0:
+        for target, source in _tied_targets(model).items():
+            if target in state and source in state and torch.equal(state[target], state[source]):
+                del state[target]  # transformers ties it again on load
+        staging = path.with_name(f".{path.name}.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        model.save_pretrained(str(staging), state_dict=state, safe_serialization=True, is_main_process=True)
+        if path.exists():
+            shutil.rmtree(path)
+        staging.rename(path)
+    if distributed:
+        dist.barrier()
+    return path
+
+
+def _gather_stages(strategy: Any, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Every pipeline stage's tensors onto global rank 0 (sent by the stage's first data/tensor rank)."""
+    mesh = getattr(strategy, "device_mesh", None)
+    if mesh is None or mesh["pp"].size() == 1:
+        return state
+    coordinate = mesh.get_coordinate()
+    if any(c != 0 for c in coordinate[1:]):  # not the first data/tensor-parallel rank of its stage
+        return {}
+    group = mesh["pp"].get_group()
+    gathered: list[Any] | None = [None] * mesh["pp"].size() if dist.get_rank() == 0 else None
+    dist.gather_object(state, gathered, dst=0, group=group)
+    merged: dict[str, Tensor] = {}
+    for part in gathered or []:
+        for key, value in part.items():
+            merged.setdefault(key, value)
+    return merged
+
+
+class HFCheckpointExport(Callback):
+    """Export the transformers model inside the LightningModule with :func:`save_hf_checkpoint` at the end of
+    training (and every ``every_n_train_steps`` steps into ``<dirpath>/step=<n>``), from Python or YAML."""
+
+    def __init__(self, dirpath: str, every_n_train_steps: int | None = None, dtype: str | None = None) -> None:
+        if every_n_train_steps is not None and every_n_train_steps < 1:
+            raise ValueError(f"HFCheckpointExport(every_n_train_steps={every_n_train_steps}) must be at least 1 or None.")
+        if dtype is not None and getattr(torch, dtype, None) not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"HFCheckpointExport(dtype={dtype!r}): use 'float32', 'bfloat16' or 'float16'.")
+        self.dirpath, self.every, self.dtype = dirpath, every_n_train_steps, dtype
+        self.last: Path | None = None
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if self.every and step % self.every == 0 and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.last = save_hf_checkpoint(trainer, Path(self.dirpath) / f"step={step}", self.dtype)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.last = save_hf_checkpoint(trainer, self.dirpath, self.dtype)

@@ -1,0 +1,74 @@
+"""LitGPT checkpoints in at any layout: a directory with ``lit_model.pth`` (LitGPT's state dict) and
+``model_config.yaml``, loaded into the LitGPT ``GPT`` inside the LightningModule after parallelization.
+
+The state dict is opened memory-mapped (``torch.load(mmap=True, weights_only=True)``), so each rank reads only
+the slices it holds, exactly as ``hf_checkpoint`` does for safetensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_llmpar.checkpointing.hf import fill_from_files
+from lightning_llmpar.tensor_parallel.packing import Packing
+
+__all__ = ["check_litgpt_directory", "load_litgpt_checkpoint"]
+
+_CONFIG_FIELDS = ("n_layer", "n_embd", "n_head", "n_query_groups", "head_size", "padded_vocab_size", "intermediate_size",
+                  "n_expert", "bias", "norm_qk")
+
+
+def check_litgpt_directory(directory: str | Path) -> Path:
+    path = Path(directory).expanduser()
+    if not (path / "lit_model.pth").is_file() or not (path / "model_config.yaml").is_file():
+        raise ValueError(
+            f"litgpt_checkpoint={str(directory)!r} is not a LitGPT checkpoint directory (lit_model.pth and"
+            " model_config.yaml)."
+        )
+    return path
+
+
+class _TorchFile:
+    """A state dict file opened memory-mapped: only the regions read come into memory."""
+
+    def __init__(self, file: Path) -> None:
+        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+        self.tensors: dict[str, Tensor] = state.get("model", state) if isinstance(state, dict) else state
+        self.where = {k: file for k in self.tensors}
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key].shape)
+
+    def read(self, key: str, region: tuple[slice, ...]) -> Tensor:
+        return self.tensors[key][region]
+
+
+def _litgpt_model(module: nn.Module) -> tuple[str, nn.Module]:
+    from litgpt.model import GPT
+
+    found = [(n, m) for n, m in module.named_modules() if isinstance(m, GPT)]
+    if len(found) != 1:
+        raise ValueError(f"litgpt_checkpoint loads into the one litgpt.model.GPT inside {type(module).__name__}; found {len(found)}.")
+    return found[0]
+
+
+@torch.no_grad()
+def load_litgpt_checkpoint(
+    module: nn.Module, directory: str | Path, packings: dict[str, Packing] | None = None, aliases: dict[str, str] | None = None
+) -> None:
+    """Fill the LitGPT model inside ``module`` (already parallelized) from ``directory``; collective."""
+    import yaml
+
+    path = check_litgpt_directory(directory)
+    prefix, model = _litgpt_model(module)
+    theirs: dict[str, Any] = yaml.safe_load((path / "model_config.yaml").read_text()) or {}
+    ours = vars(model.config)
+    problems = [f"model_config.yaml has {f}={theirs[f]!r} but the model has {ours[f]!r}" for f in _CONFIG_FIELDS
+                if f in theirs and f in ours and theirs[f] != ours[f]]
+    # LitGPT's rotary caches are buffers computed from the config, not stored.
+    fill_from_files(module, prefix, _TorchFile(path / "lit_model.pth"), problems, {}, {}, packings or {}, aliases or {},
+                    [], f"litgpt_checkpoint={str(directory)!r} does not fit {type(model).__name__}")

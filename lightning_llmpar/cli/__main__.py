@@ -1,0 +1,3 @@
+from lightning_llmpar.cli.main import console
+
+console()

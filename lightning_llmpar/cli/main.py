@@ -1,0 +1,140 @@
+"""The `llmpar` command: LightningCLI over the example GPT and the offline corpus, W&B offline by default."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks.progress import ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+import lightning_llmpar  # noqa: F401 - registers the strategy names
+from lightning_llmpar.callbacks.throughput import ThroughputAndMemory
+from lightning_llmpar.callbacks.timeline import PipelineTimeline
+from lightning_llmpar.cli.progress import step_progress_bar
+from lightning_llmpar.cli.warnings import quiet_known_warnings
+
+__all__ = ["LLMParCLI", "main", "console"]
+
+
+class LLMParCLI(LightningCLI):
+    """Any LightningModule and DataModule (``--model my_pkg.MyModule --data my_pkg.MyData``); the example GPT and
+    the offline corpus are the defaults, so configs that only set their arguments keep working."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.set_defaults({
+            "model": {"class_path": "lightning_llmpar.models.GPTModule"},
+            "data": {"class_path": "lightning_llmpar.data.CorpusDataModule"},
+        })
+        # Applied when the chosen classes take these arguments (the example GPT's rotary tables, schedules).
+        parser.link_arguments("data.init_args.block_size", "model.init_args.block_size")
+        parser.link_arguments("trainer.max_steps", "model.init_args.total_steps")
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        # A periodic checkpoint and a step-aware progress bar unless the run turns them off
+        # (--trainer.enable_checkpointing=false, --trainer.enable_progress_bar=false) or brings its own.
+        given = config.get("callbacks") or []
+        given = [*(given if isinstance(given, list) else [given]), *callbacks]
+        extra = list(callbacks)
+        if config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in given):
+            extra.append(ModelCheckpoint(dirpath=None, save_last=True, every_n_train_steps=50))
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
+            extra.append(step_progress_bar())
+        if config.get("logger") not in (False, None, []):  # a learning-rate monitor needs somewhere to log
+            extra.append(LearningRateMonitor(logging_interval="step"))
+        return super()._instantiate_trainer(config, extra)
+
+    def after_fit(self) -> None:
+        self._report()
+
+    @rank_zero_only
+    def _report(self) -> None:
+        trainer = self.trainer
+        ckpt = trainer.checkpoint_callback
+        path = getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", "")
+        print(f"\nllmpar: layout {getattr(trainer.strategy, 'layout', 'single device')}")
+        print(f"llmpar: checkpoint  {Path(path).resolve() if path else '(none written)'}")
+        for callback in trainer.callbacks:
+            if isinstance(callback, PipelineTimeline) and callback.last_picture is not None:
+                print(f"llmpar: timeline    {callback.last_picture.resolve()}")
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                run = logger.experiment
+                run_dir = Path(run.dir).parent.resolve()
+                run.finish()  # flush history and summary now, not in an exit hook that may not run
+                print(f"llmpar: W&B run     {run_dir} (offline: `wandb sync <dir>` uploads it)")
+            else:
+                print(f"llmpar: logs        {logger.log_dir}")
+
+
+def main(args: list[str] | None = None, run: bool = True) -> LLMParCLI:
+    # Offline unless the user asks otherwise: nothing in a default run needs a network.
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    quiet_known_warnings()
+    return LLMParCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        seed_everything_default=1234,
+        save_config_kwargs={"overwrite": True},
+        trainer_defaults={
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.WandbLogger",
+                "init_args": {"project": "llmpar", "save_dir": "runs", "offline": True},
+            },
+            "callbacks": [
+                ThroughputAndMemory(),
+                PipelineTimeline(),
+            ],
+        },
+        args=args,
+        run=run,
+    )
+
+
+def verify(args: list[str]) -> int:
+    """`llmpar verify --config my.yaml`: the parity self-check of a `llmpar fit` config (see lightning_llmpar.verify)."""
+    import argparse
+
+    from lightning_llmpar.verify import verify_parity
+
+    parser = argparse.ArgumentParser(prog="llmpar verify", description=verify.__doc__)
+    parser.add_argument("--config", required=True, help="a llmpar fit config (model, data, trainer.strategy, devices)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="relative, per step and per parameter")
+    parser.add_argument("--lr", type=float, default=1e-2, help="SGD learning rate of both runs")
+    parser.add_argument("--devices", type=int, default=None, help="processes for the layout (default: the config's)")
+    opts, overrides = parser.parse_known_args(args)
+    if opts.devices is not None:
+        overrides += ["--trainer.devices", str(opts.devices)]
+    cli = main(["--config", opts.config, *overrides], run=False)
+    cfg = cli.config
+    strategy = cfg.trainer.strategy
+    if not (isinstance(strategy, dict) or hasattr(strategy, "init_args")):
+        raise ValueError("llmpar verify needs trainer.strategy: an LLMParallelStrategy with its init_args.")
+    report = verify_parity(
+        cfg.model.class_path, cfg.data.class_path, dict(strategy.init_args), int(cfg.trainer.devices),
+        model_kwargs=dict(cfg.model.init_args), data_kwargs=dict(cfg.data.init_args), steps=opts.steps,
+        tolerance=opts.tolerance, lr=opts.lr, accelerator=str(cfg.trainer.accelerator or "cpu"),
+    )
+    return 0 if report.passed else 1
+
+
+def console() -> None:
+    """Entry point of the `llmpar` command (returns nothing, so the exit status is 0 on success)."""
+    import sys
+
+    if sys.argv[1:2] == ["verify"]:
+        sys.exit(verify(sys.argv[2:]))
+    main()
+
+
+if __name__ == "__main__":
+    console()

@@ -1,0 +1,164 @@
+"""The DeepSpeed sharding backend LLMParallelStrategy(sharding_backend='deepspeed') holds.
+
+Same layout object and mesh as the FSDP2 backend; the data-parallel axis is run by a DeepSpeed
+engine (ZeRO 0-3, CPU/NVMe offload). Lightning's own DeepSpeedStrategy refuses to run on CPU; this
+one runs on gloo as well as NCCL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_llmpar.data_parallel.backend import ShardingBackend
+from lightning_llmpar.data_parallel.deepspeed_config import (
+    build_deepspeed_config,
+    check_deepspeed_layout,
+    check_nvme,
+    deepspeed_precision,
+)
+from lightning_llmpar.precision.plugins import mesh_precision
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_llmpar.strategies.llm_parallel import LLMParallelStrategy
+
+__all__ = ["DeepSpeedBackend", "DS_TAG"]
+
+DS_TAG = "ckpt"  # one tag per checkpoint folder; the folder name carries the step
+
+
+class _EnginePrecision(Precision):
+    """Lightning's side of a DeepSpeed run whose engine does the precision work: report the compute dtype, and
+    cast floating inputs to the weights' dtype when the engine holds fp16/bf16 weights."""
+
+    def __init__(self, compute_dtype: torch.dtype, cast_inputs: bool) -> None:
+        self.compute_dtype, self.cast_inputs = compute_dtype, cast_inputs
+
+    def convert_input(self, data: Any) -> Any:
+        if not self.cast_inputs:
+            return data
+        from lightning.fabric.utilities.apply_func import apply_to_collection
+
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
+
+
+class DeepSpeedBackend(ShardingBackend):
+    """The data-parallel axis on a DeepSpeed engine (ZeRO 0-3, CPU/NVMe offload); tensor_parallel and
+    pipeline_parallel must be 1. The engine owns precision, clipping and the optimizer step."""
+
+    name = "deepspeed"
+
+    def __init__(self, strategy: LLMParallelStrategy) -> None:
+        super().__init__(strategy)
+        options = strategy.options
+        degrees = options.degrees
+        check_deepspeed_layout(
+            degrees["tensor_parallel"], degrees["pipeline_parallel"], strategy.parallel_config.cpu_offload,
+            options.deepspeed["gradient_compression"],
+        )
+        check_nvme(options.deepspeed["offload_optimizer"], options.deepspeed["offload_parameters"])
+        # Build once now (without runtime values) so a contradicting user config fails at construction.
+        build_deepspeed_config(zero_stage=degrees["zero_stage"], **self._static())
+        self.precision: dict[str, Any] = {}
+
+    def _static(self) -> dict[str, Any]:
+        opts = self.strategy.options.deepspeed
+        return {
+            "user_config": opts["deepspeed_config"],
+            "offload_optimizer": opts["offload_optimizer"],
+            "offload_parameters": opts["offload_parameters"],
+            "gradient_compression": opts["gradient_compression"],
+        }
+
+    def convert_precision(self, plugin: Precision | None) -> Precision | None:
+        # The engine runs precision itself (fp16 with its loss scaler, bf16, autocast); Lightning's side must not
+        # scale or cast again, so the plugin becomes a pass-through that remembers the compute dtype.
+        plugin = mesh_precision(plugin)
+        self.precision = deepspeed_precision(plugin)
+        cast = "fp16" in self.precision or "bf16" in self.precision
+        dtype = getattr(plugin, "compute_dtype", torch.float32)
+        return _EnginePrecision(dtype, cast) if plugin is not None else None
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        import deepspeed
+
+        s = self.strategy
+        module = s.lightning_module
+        assert module is not None
+        module.to(s.root_device)
+        optimizer = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            s._reset_optimizers_and_schedulers()
+            s.setup_optimizers(trainer)
+            if len(s.optimizers) != 1:
+                raise ValueError(
+                    f"sharding_backend='deepspeed' drives exactly one optimizer; configure_optimizers returned"
+                    f" {len(s.optimizers)}."
+                )
+            optimizer = s.optimizers[0]
+        clip = trainer.gradient_clip_val
+        if clip is not None and trainer.gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError("DeepSpeed clips by norm only; set gradient_clip_algorithm='norm'.")
+        config = build_deepspeed_config(
+            zero_stage=s.layout.zero_stage,
+            gradient_clipping=float(clip) if clip else None,
+            accumulate=trainer.accumulate_grad_batches,
+            num_params=sum(p.numel() for p in module.parameters()),
+            precision=self.precision,
+            **self._static(),
+        )
+        self.engine, ds_optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=config, dist_init_required=False
+        )
+        s.model = self.engine
+        if optimizer is not None:
+            # Lightning's LR schedulers keep driving the torch optimizer's param_groups, which the
+            # ZeRO optimizer wraps and reads at every step.
+            s.optimizers = [ds_optimizer]
+        s.setup_precision_plugin()
+        # DeepSpeed clips inside engine.step (config gradient_clipping); Lightning must not clip again.
+        s.precision_plugin.clip_grad_by_norm = lambda *args, **kwargs: None  # type: ignore[method-assign]
+
+    def model_to_device(self) -> None:
+        pass  # the engine placed the model
+
+    def backward(self, loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        s = self.strategy
+        module = s.lightning_module
+        assert module is not None and self.engine is not None
+        s.pre_backward(loss)
+        loss = s.precision_plugin.pre_backward(loss, module)
+        # Lightning already divided the loss by accumulate_grad_batches.
+        self.engine.backward(loss, scale_wrt_gas=False)
+        if not self.engine.is_gradient_accumulation_boundary():
+            self.engine.step()  # advances DeepSpeed's micro-step counter; no update before the boundary
+        loss = s.precision_plugin.post_backward(loss, module)
+        s.post_backward(loss)
+        return loss
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        result = closure()
+        self.strategy.precision_plugin._after_closure(self.strategy.lightning_module, optimizer)
+        self.engine.step()
+        return result
+
+    def write_checkpoint(self, folder: Path, meta: dict[str, Any]) -> None:
+        meta = {**meta, "llmpar_backend": "deepspeed"}
+        self.engine.save_checkpoint(str(folder), tag=DS_TAG, client_state=meta, save_latest=False)
+
+    def load_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        if not (path / DS_TAG).is_dir():
+            raise FileNotFoundError(f"{path} is not a DeepSpeed checkpoint written by sharding_backend='deepspeed'.")
+        fitting = self.strategy.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        _, client_state = self.engine.load_checkpoint(
+            str(path), tag=DS_TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False
+        )
+        return client_state

@@ -1,0 +1,79 @@
+"""Data parallelism with ZeRO stages 0-3 on FSDP2 (``fully_shard``), including hybrid sharding.
+
+Stage -> FSDP2 setting:
+- 0: parameters replicated, gradients all-reduced. FSDP2 on a (replicate=dp, shard=1) mesh, which is
+  DDP's arithmetic and, unlike DDP, accepts the DTensor parameters tensor parallelism produces.
+- 1, 2: optimizer state and gradients sharded, parameters gathered once per step and kept through
+  backward (``reshard_after_forward=False``). FSDP2 always reduce-scatters gradients into shards:
+  that costs the same bytes as an all-reduce, so stage 1 runs as stage 2.
+- 3: parameters sharded too and re-gathered for backward (``reshard_after_forward=True``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from lightning_llmpar.modeling.structure import BlockStack, has_forward
+
+__all__ = ["apply_data_parallel", "no_gradient_sync", "shard_units"]
+
+
+def apply_data_parallel(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    zero_stage: int,
+    blocks: BlockStack | None,
+    cpu_offload: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
+    """Wrap each block, then the root, with ``fully_shard`` over the 2-D (dp_replicate, dp_shard) mesh."""
+    offload: OffloadPolicy = OffloadPolicy()
+    if cpu_offload:
+        # Pinned memory needs an accelerator; on a CPU-only host pinning fails outright.
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    kwargs = {
+        "mesh": dp_mesh,
+        "reshard_after_forward": zero_stage == 3,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": offload,
+    }
+    # Blocks first: each becomes its own all-gather / reduce-scatter unit, so communication for block
+    # i+1 overlaps compute of block i. The root then owns what is left (embeddings, norm, head).
+    if blocks is not None:
+        for block in blocks.modules():
+            for unit in shard_units(block):
+                fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def shard_units(module: nn.Module) -> list[nn.Module]:
+    """FSDP2 units for ``module``: itself if it has a forward (FSDP2's hooks run around calls), otherwise its
+    parameter-holding children, recursively (a block stored as ``ModuleList([norm, block, residual])``)."""
+    if has_forward(module):
+        return [module] if any(True for _ in module.parameters()) else []
+    return [unit for child in module.children() for unit in shard_units(child)]
+
+
+def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def no_gradient_sync(roots: list[nn.Module]) -> Iterator[None]:
+    """Accumulate gradients locally (no reduce-scatter/all-reduce) for the non-final micro-batches."""
+    modules = [m for root in roots for m in _fsdp_modules(root)]
+    for module in modules:
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.set_requires_gradient_sync(True, recurse=False)

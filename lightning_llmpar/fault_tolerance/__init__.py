@@ -1,0 +1,6 @@
+"""Surviving failures: atomic step checkpoints that resume, bad-step guards, a sampler that resumes mid-epoch."""
+
+from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint, StepGuard
+from lightning_llmpar.fault_tolerance.sampler import ResumableDistributedSampler
+
+__all__ = ["FaultTolerantCheckpoint", "StepGuard", "ResumableDistributedSampler"]

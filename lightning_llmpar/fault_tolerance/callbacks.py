@@ -1,0 +1,289 @@
+"""Runs that survive killed ranks: complete-only checkpoints, the data position, and step guards.
+
+- ``FaultTolerantCheckpoint`` (a ModelCheckpoint): saves every N steps, keeps the last k, and answers
+  ``trainer.fit(ckpt_path="last")`` with the newest checkpoint that is complete and intact, skipping (with a
+  warning) any that a crash left half-written. Restarted by torchrun ``--max-restarts`` or a cluster
+  requeue, the same command resumes. It stores the data position and restores it into a
+  ``ResumableDistributedSampler``, so each sample of the epoch is trained on exactly once.
+- ``StepGuard``: a non-finite loss or gradient, or a loss spike, skips the update on every rank alike;
+  too many in a row stop the run with a checkpoint. Every N steps it compares replicas by checksum.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zipfile
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.tensor import DTensor, Replicate
+
+from lightning_llmpar.checkpointing.dcp import META_FILE
+from lightning_llmpar.fault_tolerance.sampler import ResumableDistributedSampler
+from lightning_llmpar.training.batches import batch_size
+
+__all__ = ["FaultTolerantCheckpoint", "StepGuard", "checkpoint_problem", "newest_complete_checkpoint"]
+
+_STEP = re.compile(r"step[=_-]?(\d+)")
+# What FaultTolerantCheckpoint writes (``step=N.ckpt``) and the staging/old folders of its atomic writes:
+# pruning never touches anything else in the folder (best.ckpt, other callbacks' files, a user's folders).
+_OWN = re.compile(r"^step=\d+\.ckpt$")
+_OWN_STAGING = re.compile(r"^\.step=\d+\.ckpt\.(partial|old)$")
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be resumed from, or None if it is complete and intact."""
+    if not path.is_dir():
+        return "not a folder"
+    if (path / "ckpt").is_dir():  # DeepSpeed backend
+        return None if any((path / "ckpt").iterdir()) else "empty DeepSpeed checkpoint"
+    if not (path / ".metadata").is_file() or not (path / META_FILE).is_file():
+        return "missing .metadata or meta.pt (written only when every rank finished)"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+        needed: dict[str, int] = {}
+        for item in (metadata.storage_data or {}).values():
+            needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+        for name, size in needed.items():
+            file = path / name
+            if not file.is_file() or file.stat().st_size < size:
+                return f"shard {name} missing or truncated"
+        # Integrity without unpickling: a folder dropped into the checkpoint directory must never run code
+        # just by being scanned. torch.save writes a zip archive; its CRCs show truncation or corruption.
+        with zipfile.ZipFile(path / META_FILE) as archive:
+            bad = archive.testzip()
+        if bad is not None:
+            return f"{META_FILE} is corrupt ({bad})"
+    except Exception as err:  # noqa: BLE001 - any unreadable part makes the checkpoint unusable
+        return f"unreadable ({type(err).__name__}: {err})"
+    return None
+
+
+def _step_of(path: Path) -> int:
+    match = _STEP.search(path.name)
+    return int(match.group(1)) if match else -1
+
+
+def newest_complete_checkpoint(folder: Path) -> Path | None:
+    """The highest-step checkpoint in ``folder`` that passes :func:`checkpoint_problem`; warns about others."""
+    if not folder.is_dir():
+        return None
+    for path in sorted((p for p in folder.iterdir() if p.name.endswith(".ckpt")), key=_step_of, reverse=True):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        rank_zero_warn(f"Skipping checkpoint {path}: {problem}.")
+    return None
+
+
+class FaultTolerantCheckpoint(ModelCheckpoint):
+    """Checkpoint every ``every_n_train_steps`` steps into ``dirpath``, keep the last ``keep_last``.
+
+    Resume with ``trainer.fit(..., ckpt_path="last")``: the newest intact checkpoint is used.
+    """
+
+    def __init__(self, dirpath: str, every_n_train_steps: int = 50, keep_last: int = 3) -> None:
+        if every_n_train_steps < 1 or keep_last < 1:
+            raise ValueError(
+                f"every_n_train_steps ({every_n_train_steps}) and keep_last ({keep_last}) must be at least 1."
+            )
+        super().__init__(
+            dirpath=dirpath, filename="step={step}", auto_insert_metric_name=False, monitor="step", mode="max",
+            save_top_k=-1, every_n_train_steps=every_n_train_steps, save_on_train_epoch_end=False,
+            enable_version_counter=False,
+        )
+        self.keep_last = keep_last
+        self._position: dict[str, int] | None = None
+
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        if trainer.is_global_zero:
+            self._prune(Path(filepath).parent)
+
+    def _prune(self, folder: Path) -> None:
+        # By step on disk, not by ModelCheckpoint's in-memory ranking, which a restart does not fully restore.
+        # Runs after the save's final barrier, so no other rank is writing; half-written staging folders
+        # left by a crash go too.
+        import shutil
+
+        saved = sorted((p for p in folder.iterdir() if _OWN.match(p.name)), key=_step_of, reverse=True)
+        for stale in saved[self.keep_last :] + [p for p in folder.iterdir() if _OWN_STAGING.match(p.name)]:
+            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+
+    def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
+        newest = newest_complete_checkpoint(Path(self.dirpath or ""))
+        return {str(newest)} if newest is not None else set()
+
+    # -- data position ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _sampler(trainer: Trainer) -> ResumableDistributedSampler | None:
+        loader = trainer.train_dataloader
+        for candidate in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+            if isinstance(candidate, ResumableDistributedSampler):
+                return candidate
+            inner = getattr(getattr(candidate, "dataset", None), "_sampler", None)  # Lightning's wrapper
+            if isinstance(inner, ResumableDistributedSampler):
+                raise ValueError(
+                    "The ResumableDistributedSampler was wrapped in another distributed sampler, so each rank would see"
+                    " a share of its share and its position would not be saved. Pass it to the DataLoader as `sampler`"
+                    " directly (Lightning then keeps it) and do not wrap it."
+                )
+        return None
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int) -> None:
+        sampler = self._sampler(trainer)
+        if sampler is not None:
+            # Samples trained on so far this epoch, over all data-parallel ranks.
+            sampler.consumed += batch_size(batch) * sampler.num_replicas
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, idx)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning resumes a started epoch without calling on_train_epoch_start, so the restored
+        # position goes into the sampler here, before the first batch of the resumed run is drawn.
+        sampler = self._sampler(trainer)
+        expected = trainer.strategy.distributed_sampler_kwargs if trainer.world_size > 1 else {"num_replicas": 1, "rank": 0}
+        if sampler is not None and (sampler.num_replicas, sampler.rank) != (expected["num_replicas"], expected["rank"]):
+            raise ValueError(
+                f"ResumableDistributedSampler(num_replicas={sampler.num_replicas}, rank={sampler.rank}) does not match the"
+                f" data-parallel layout (num_replicas={expected['num_replicas']}, rank={expected['rank']}): ranks would see"
+                " the wrong share of the data. Build it with trainer.strategy.distributed_sampler_kwargs."
+            )
+        if sampler is not None and self._position is not None and self._position["epoch"] == trainer.current_epoch:
+            sampler.load_state_dict(self._position)
+        self._position = None
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        sampler = self._sampler(self._trainer) if getattr(self, "_trainer", None) is not None else None
+        if sampler is not None:
+            state["data_position"] = sampler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._position = state_dict.pop("data_position", None)
+        super().load_state_dict(state_dict)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._trainer = trainer
+        super().setup(trainer, pl_module, stage)
+
+
+class StepGuard(Callback):
+    """Skip bad updates consistently on every rank, and check that replicas stay identical.
+
+    A step is bad when the loss or any gradient is not finite, or (with ``spike_factor``) the loss exceeds
+    ``spike_factor`` x the mean of the last ``window`` good losses. All ranks agree on the verdict
+    (an all-reduce), drop the gradients and skip the update. ``max_consecutive_bad`` bad steps in a row
+    save a checkpoint and stop the run. ``check_replicas_every`` > 0 compares parameter checksums across
+    the ranks that must hold the same values, and stops the run on a divergence.
+    """
+
+    def __init__(
+        self,
+        spike_factor: float | None = None,
+        window: int = 20,
+        max_consecutive_bad: int = 5,
+        check_replicas_every: int = 0,
+        stop_checkpoint: str | None = None,
+    ) -> None:
+        self.spike_factor, self.max_bad, self.check_every = spike_factor, max_consecutive_bad, check_replicas_every
+        self.recent: deque[float] = deque(maxlen=window)
+        self.consecutive_bad = 0
+        self.skipped_steps: list[int] = []
+        self.stop_checkpoint = stop_checkpoint
+        self._loss: float = float("nan")
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if getattr(trainer.strategy, "engine", None) is not None:
+            raise ValueError(
+                "StepGuard skips a step by dropping gradients, which the DeepSpeed engine keeps in its own"
+                " partitions. Use it with sharding_backend='fsdp2' (the default)."
+            )
+
+    @staticmethod
+    def _scaler(trainer: Trainer) -> Any:
+        return getattr(trainer.precision_plugin, "scaler", None)
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        # With loss scaling (FP16) the hook sees the scaled loss; the guard judges the loss itself.
+        scaler = self._scaler(trainer)
+        scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+        self._loss = float(loss.detach().float()) / scale * trainer.accumulate_grad_batches
+
+    def _verdict(self, pl_module: LightningModule) -> bool:
+        bad = not math.isfinite(self._loss)
+        if not bad and self.spike_factor is not None and len(self.recent) >= 3:
+            bad = self._loss > self.spike_factor * (sum(self.recent) / len(self.recent))
+        # Non-finite gradients under loss scaling are the scaler's business: it skips that step on every rank and
+        # backs off the scale, which is normal operation, not a bad step.
+        if not bad and self._scaler(pl_module.trainer) is None:
+            for p in pl_module.parameters():
+                if p.grad is not None:
+                    g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    if not torch.isfinite(g).all():
+                        bad = True
+                        break
+        flag = torch.tensor([1.0 if bad else 0.0], device=pl_module.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one rank's bad step is every rank's bad step
+        return bool(flag.item())
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if not self._verdict(pl_module):
+            self.consecutive_bad = 0
+            self.recent.append(self._loss)
+            return
+        self.consecutive_bad += 1
+        self.skipped_steps.append(trainer.global_step)
+        for p in pl_module.parameters():
+            p.grad = None  # the optimizer skips parameters without gradients: no update, no state change
+        pl_module.log("fault/skipped_step", 1.0, rank_zero_only=True)
+        rank_zero_warn(f"Step {trainer.global_step}: loss {self._loss:.4g} or a gradient is bad; update skipped on every rank.")
+        if self.consecutive_bad >= self.max_bad:
+            if self.stop_checkpoint:
+                trainer.save_checkpoint(self.stop_checkpoint)
+            raise RuntimeError(
+                f"{self.consecutive_bad} bad steps in a row (last at step {trainer.global_step}, loss {self._loss:.4g})."
+                f" Training stopped{' after saving ' + self.stop_checkpoint if self.stop_checkpoint else ''}."
+                " Lower the learning rate, check the data, or raise max_consecutive_bad."
+            )
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int) -> None:
+        if self.check_every and trainer.global_step % self.check_every == 0 and dist.is_initialized():
+            check_replicas(pl_module, trainer.strategy)
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    local = (t.to_local() if isinstance(t, DTensor) else t).detach().double()
+    return torch.stack([local.sum(), (local * local).sum()])
+
+
+def check_replicas(module: LightningModule, strategy: Any) -> None:
+    """Raise if ranks that must hold identical values (replicated placements) disagree."""
+    mesh = strategy.device_mesh
+    names = mesh.mesh_dim_names or ()
+    for name, p in module.named_parameters():
+        axes = [i for i, pl in enumerate(p.placements) if isinstance(pl, Replicate)] if isinstance(p, DTensor) else []
+        groups = [p.device_mesh.get_group(i) for i in axes] if isinstance(p, DTensor) else [
+            mesh[a].get_group() for a in ("dp_replicate", "dp_shard", "tp") if a in names and mesh[a].size() > 1
+        ]
+        mine = _checksum(p)
+        for group in groups:
+            gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(gathered, mine, group=group)
+            spread = max(float((g - mine).abs().max()) for g in gathered)
+            if spread > 1e-6 * (1 + float(mine.abs().max())):
+                raise RuntimeError(
+                    f"Replicas diverged: parameter '{name}' differs across ranks {dist.get_process_group_ranks(group)}"
+                    f" (checksum spread {spread:.3g}). Stopping: resume from the last checkpoint."
+                )

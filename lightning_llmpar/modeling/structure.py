@@ -1,0 +1,92 @@
+"""The model convention every technique relies on: a stack of identical blocks inside the model.
+
+Most transformer LMs keep their layers in one ``nn.ModuleList`` (``model.layers``, ``transformer.h``,
+``blocks``...). We find it by structure, not by name, so a model written elsewhere fits unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from torch import nn
+
+__all__ = ["BlockStack", "find_block_stack", "first_arg_name", "has_forward", "mark_block_stack", "num_params"]
+
+
+@dataclass(frozen=True)
+class BlockStack:
+    """Where the repeated blocks live: ``prefix`` is the ModuleList's qualified name."""
+
+    prefix: str
+    blocks: nn.ModuleList
+    # Modules outside the stack seen to run before / after its blocks in one run of the model's step
+    # (empty: not observed; the pipeline split then goes by registration order and names).
+    ran_before: frozenset[str] = frozenset()
+    ran_after: frozenset[str] = frozenset()
+
+    def names(self) -> list[str]:
+        # Keys, not positions: under pipeline parallelism a rank keeps only some blocks, under their
+        # original indices.
+        return [f"{self.prefix}.{key}" if self.prefix else key for key in self.blocks._modules]
+
+    def modules(self) -> list[nn.Module]:
+        return [m for m in self.blocks._modules.values() if m is not None]
+
+    @property
+    def total(self) -> int:
+        """Number of blocks in the whole model (also on a pipeline rank that holds only some)."""
+        return len(self.blocks)
+
+
+def has_forward(module: nn.Module) -> bool:
+    """Whether the module is ever called: containers (ModuleList, ModuleDict) only hold other modules."""
+    return type(module).forward is not nn.Module.forward
+
+
+def first_arg_name(module: nn.Module) -> str:
+    """Name of the first argument of ``module.forward`` (callers may pass it by keyword)."""
+    params = [p for p in inspect.signature(module.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
+    return params[0].name if params else ""
+
+
+def num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+MARK = "_llmpar_block_stack"  # set on the ModuleList a user named with LLMParallelStrategy(block_stack=...)
+
+
+def mark_block_stack(model: nn.Module, name: str) -> None:
+    """Make ``name`` the block stack every technique uses, instead of the one found by structure."""
+    try:
+        stack = model.get_submodule(name)
+    except AttributeError as err:
+        raise ValueError(f"block_stack={name!r} names no module of {type(model).__name__}.") from err
+    if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
+        raise ValueError(
+            f"block_stack={name!r} is a {type(stack).__name__}; it must name the nn.ModuleList holding the model's"
+            " blocks, e.g. 'model.layers'."
+        )
+    setattr(stack, MARK, True)
+
+
+def find_block_stack(model: nn.Module) -> BlockStack | None:
+    """The ModuleList named by the user (``block_stack``), else the ModuleList of same-class modules holding the
+    most parameters, or None if there is none."""
+    for name, module in model.named_modules():
+        if getattr(module, MARK, False):
+            return BlockStack(prefix=name, blocks=module)  # type: ignore[arg-type]
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        classes = {type(child) for child in module._modules.values()}
+        if len(classes) != 1:
+            continue
+        size = num_params(module)
+        if size > 0 and (best is None or size > best[0]):
+            best = (size, name, module)
+    if best is None:
+        return None
+    return BlockStack(prefix=best[1], blocks=best[2])

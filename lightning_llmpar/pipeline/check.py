@@ -1,0 +1,206 @@
+"""Prove a pipeline split before training: the staged program must compute what the model's own forward does.
+
+The split rests on assumptions about the model's forward (it calls the blocks in order, each taking the
+previous one's output; what runs outside the stack before the blocks only feeds the first one). A forward that
+breaks them trains silently wrong, or fails inside the schedule. So, before anything is split, the user's own
+step runs once whole and once stage by stage (every stage of the pipeline, in this process, on one sample of
+the first training batch, in eval mode so dropout draws nothing), and every stage's output is compared with
+the block output it stands for. A stage that differs, or whose output does not depend on its input, is
+refused with a ValueError naming the stage and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torchmetrics import Metric
+
+from lightning_llmpar.modeling.materialize import has_meta_tensors, materialize
+from lightning_llmpar.modeling.structure import BlockStack
+from lightning_llmpar.modeling.ties import find_tied_weights, retie
+from lightning_llmpar.pipeline.split import _StageBlocks, _StandIn, outside_owners, stage_program
+
+__all__ = ["Reference", "check_split", "checkable", "quiet_step", "run_whole"]
+
+log = logging.getLogger(__name__)
+
+# A model built on the meta device is checked on a random copy made in host memory, up to this size.
+CHECK_COPY_BYTES = 2 * 2**30
+
+
+@contextlib.contextmanager
+def checkable(module: nn.Module) -> Iterator[bool]:
+    """Yield whether ``module`` holds values to run the check on. A model on the meta device gets random values
+    in host memory for the check (when it is small enough) and goes back to the meta device afterwards."""
+    if not has_meta_tensors(module):
+        yield True
+        return
+    size = sum(p.numel() * p.element_size() for p in module.parameters())
+    if size > CHECK_COPY_BYTES:
+        log.info("pipeline split not checked before training: the model is on the meta device and %d bytes", size)
+        yield False
+        return
+    tied = find_tied_weights(module)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        materialize(module, torch.device("cpu"), tied)
+    try:
+        yield all(bool(torch.isfinite(p).all()) for p in module.parameters() if p.is_floating_point())
+    finally:
+        # nn.Module.to, not Lightning's override: the module's recorded device stays what it was.
+        nn.Module.to(module, "meta")
+        retie(module, tied)  # leaving the CPU gives every name its own tensor again
+
+
+@contextlib.contextmanager
+def quiet_step(module: nn.Module) -> Iterator[None]:
+    """Run a LightningModule's step outside Lightning's loop: logging and metric updates do nothing."""
+    metrics = [m for m in module.modules() if isinstance(m, Metric)]
+    module.log = module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
+    for m in metrics:
+        m.update = lambda *a, **k: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
+        for m in metrics:
+            del m.update
+
+
+def _first_tensor(value: Any) -> Tensor:
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+def _loss(out: Any) -> Tensor:
+    return out["loss"] if isinstance(out, dict) else out
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5))
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One run of the user's step on the whole model: its loss, every block's output, and the stack annotated
+    with which outside modules ran before and after the blocks."""
+
+    stack: BlockStack
+    loss: Tensor
+    outputs: dict[int, Tensor]
+
+
+@torch.no_grad()
+def run_whole(module: nn.Module, stack: BlockStack, step: Callable[[], Any]) -> Reference:
+    """Run ``step`` once on the unsplit model (eval mode), recording block outputs and the execution order."""
+    blocks = stack.blocks
+    outputs: dict[int, Tensor] = {}
+    entered = [False]
+    before: set[str] = set()
+    after: set[str] = set()
+
+    def record(index: int) -> Callable[..., None]:
+        def hook(_m: nn.Module, _args: Any, output: Any) -> None:
+            outputs.setdefault(index, _first_tensor(output))
+
+        return hook
+
+    def enter(_m: nn.Module, _args: Any) -> None:
+        entered[0] = True
+
+    def called(name: str) -> Callable[..., None]:
+        def hook(_m: nn.Module, _args: Any) -> None:
+            if name not in before and name not in after:
+                (after if entered[0] else before).add(name)
+
+        return hook
+
+    hooks = [blocks[i].register_forward_hook(record(i)) for i in range(len(blocks))]
+    hooks += [b.register_forward_pre_hook(enter) for b in blocks]
+    for name, sub in module.named_modules():
+        inside = name == stack.prefix or name.startswith(stack.prefix + ".")
+        if not inside and any(True for _ in sub.parameters(recurse=False)):
+            hooks.append(sub.register_forward_pre_hook(called(name)))
+    was_training = module.training
+    module.eval()
+    try:
+        with quiet_step(module):
+            loss = _loss(step())
+    finally:
+        for h in hooks:
+            h.remove()
+        module.train(was_training)
+    annotated = dataclasses.replace(stack, ran_before=frozenset(before), ran_after=frozenset(after))
+    return Reference(annotated, loss, outputs)
+
+
+@torch.no_grad()
+def check_split(
+    module: nn.Module, reference: Reference, ranges: Sequence[tuple[int, int]], step: Callable[[], Any]
+) -> None:
+    """Raise a ValueError if running ``step`` stage by stage (``ranges``: blocks per stage) differs from the
+    ``reference`` run of it whole. ``module`` is the unsplit model; it is left as it was."""
+    stack, outputs = reference.stack, reference.outputs
+    before, after = outside_owners(module, stack)
+    blocks = stack.blocks
+    was_training = module.training
+    module.eval()
+    original_class = type(blocks)
+    try:
+        reference_loss = reference.loss
+        total = len(blocks)
+        blocks.__class__ = _StageBlocks
+        blocks._llmpar_total, blocks._llmpar_window, blocks._llmpar_entered = total, None, False
+        incoming: Tensor | None = None
+        last = len(ranges) - 1
+        for s, (start, stop) in enumerate(ranges):
+            stand_ins: dict[str, nn.Module] = {}
+            if s > 0:
+                stand_ins.update({n: _StandIn(module.get_submodule(n), n, True, blocks) for n in before})
+            if s < last:
+                stand_ins.update({n: _StandIn(module.get_submodule(n), n, False, blocks) for n in after})
+
+            def run(value: Tensor | None) -> tuple[bool, Any]:
+                with quiet_step(module):
+                    return stage_program(module, blocks, (start, stop), s == last, value, stand_ins, step)
+
+            cut, value = run(incoming)
+            where = f"stage {s} (blocks {start}..{stop - 1} of '{stack.prefix}')"
+            if s < last and not cut:
+                raise ValueError(
+                    f"Pipeline split: {where} never ran its last block: the model's forward does not call the blocks of"
+                    f" '{stack.prefix}' one after another. Name the stack it does iterate with block_stack='...'."
+                )
+            got, expected = (value, outputs.get(stop - 1)) if s < last else (_loss(value), reference_loss)
+            if expected is None or not _close(got, expected):
+                raise ValueError(
+                    f"Pipeline split: {where} computes something else than the model's own forward (its output differs"
+                    f" from block {stop - 1}'s{'' if s < last else ' / the loss'}). The forward uses more than the"
+                    " previous block's output between blocks (a value from before the stack, per-block state), so this"
+                    " split would train wrong. Cut elsewhere with pipeline_split_points=[...], name another block stack"
+                    " with block_stack='...', or train this model without pipeline parallelism."
+                )
+            if incoming is not None:  # a random change of the input must change the output
+                noise = torch.randn(incoming.shape, generator=torch.Generator().manual_seed(s), dtype=torch.float32)
+                moved = run(incoming + noise.to(incoming.device, incoming.dtype))[1]
+            else:
+                moved = None
+            # Not depending on the input gives bit-identical results; any dependence changes them at least a little.
+            if moved is not None and torch.equal(moved if s < last else _loss(moved), got):
+                raise ValueError(
+                    f"Pipeline split: the output of {where} does not depend on its input (the activation of the stage"
+                    f" before): the model's forward does not feed block {start} the previous block's output. Name the"
+                    " block stack its forward chains with block_stack='...', or do without pipeline parallelism."
+                )
+            incoming = value
+    finally:
+        blocks.__class__ = original_class
+        for attr in ("_llmpar_total", "_llmpar_window", "_llmpar_entered"):
+            blocks.__dict__.pop(attr, None)
+        module.train(was_training)

@@ -1,0 +1,339 @@
+"""Runs one Lightning step through the pipeline schedule and makes its effects look like a normal step.
+
+Lightning expects ``training_step`` to return a loss and then calls ``zero_grad`` and ``backward``;
+the schedule does forward and backward together. So gradients made by the schedule are set aside and
+put back in ``backward`` (after Lightning's backward hooks fired), the loss and everything the step
+logged are taken from the last stage and replayed on every rank, and nothing is logged twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torchmetrics import Metric
+
+from lightning_llmpar.modeling.ties import TiedCopies
+from lightning_llmpar.pipeline.split import BATCH_KWARG, StageModule, stage_program
+from lightning_llmpar.pipeline.stages import StageLayout, build_schedule
+from lightning_llmpar.training.batches import batch_size
+from lightning_llmpar.training.loss_normalization import TokenNormalizer
+
+__all__ = ["PipelineRunner", "bubble_fraction"]
+
+
+class PipelineRunner:
+    def __init__(
+        self,
+        module: LightningModule,
+        blocks: nn.ModuleList,
+        layout: StageLayout,
+        parts: dict[int, dict[str, nn.Module]],
+        swaps: dict[str, tuple[nn.Module, nn.Module]],
+        pp_mesh: DeviceMesh,
+        device: torch.device,
+        schedule: str,
+        microbatches: int,
+        ties: TiedCopies | None = None,
+        tokens: TokenNormalizer | None = None,
+    ) -> None:
+        self.module, self.blocks, self.layout, self._swaps = module, blocks, layout, swaps
+        self.ties, self.tokens = ties, tokens
+        self.pp_group = pp_mesh.get_group()
+        self.pp_rank = pp_mesh.get_local_rank()
+        self.device, self.schedule_name, self.microbatches = device, schedule, microbatches
+        self.stage_modules = {s: StageModule(self, s, parts[s]) for s in sorted(parts)}
+        self._schedules: dict[tuple[int, bool], Any] = {}
+        self._stages: list[PipelineStage] | None = None
+        self._method, self._step_args = "training_step", ()
+        self._logged: list[tuple[str, Any, dict[str, Any]]] = []
+        self._outputs: list[Any] = []
+        self._stash: dict[nn.Parameter, Tensor | None] = {}
+        self._accumulate = 1
+        self._inferring = 0
+        # Loss scaling (FP16): the schedule runs backward itself, so the scale is applied per microbatch.
+        self.scale_loss: Callable[[Tensor], Tensor] | None = None
+        self.timeline: list[tuple[int, str, int, float, float]] = []  # (stage, kind, microbatch, t0, t1)
+        self.step_window: tuple[float, float] = (0.0, 0.0)
+
+    # ------------------------------------------------------------------ stages and schedules
+
+    @property
+    def last_rank(self) -> int:
+        return self.layout.rank_of(self.layout.num_stages - 1)
+
+    @property
+    def is_last(self) -> bool:
+        return self.pp_rank == self.last_rank
+
+    def _build_stages(self) -> list[PipelineStage]:
+        if self._stages is None:
+            self._stages = [
+                PipelineStage(m, s, self.layout.num_stages, self.device, group=self.pp_group)
+                for s, m in self.stage_modules.items()
+            ]
+            for stage in self._stages:
+                self._record_actions(stage)
+                self._mark_metadata_inference(stage)
+        return self._stages
+
+    def _mark_metadata_inference(self, stage: PipelineStage) -> None:
+        # On first use the stage runs its forward (and the loss) once more on placeholder tensors to
+        # learn shapes. That run must not log, update metrics or count as a microbatch.
+        for attr in ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference"):
+            original = getattr(stage, attr, None)
+            if original is None:
+                continue
+
+            def flagged(*args: Any, __orig: Callable = original, **kwargs: Any) -> Any:
+                self._inferring += 1
+                try:
+                    return __orig(*args, **kwargs)
+                finally:
+                    self._inferring -= 1
+
+            setattr(stage, attr, flagged)
+
+    def _schedule(self, microbatches: int, training: bool) -> Any:
+        key = (microbatches, training)
+        if key not in self._schedules:
+            name = self.schedule_name
+            if not training and not self.layout.v_shape:
+                # Forward only: every schedule computes the same; these take any number of microbatches (an
+                # evaluation batch may hold fewer samples than there are stages).
+                name = "GPipe" if self.layout.stages_per_rank == 1 else "LoopedBFS"
+            self._schedules[key] = build_schedule(name, self._build_stages(), microbatches, self._loss)
+        return self._schedules[key]
+
+    def microbatches_for(self, size: int, training: bool) -> int:
+        """The configured microbatch count, or for a batch it does not divide (an epoch's last batch, evaluation)
+        the largest count below it that divides the batch and the schedule accepts (the result is the same)."""
+        for n in range(min(self.microbatches, size), 0, -1):
+            if size % n:
+                continue
+            try:
+                self._schedule(n, training)
+            except ValueError:  # e.g. 1F1B needs at least as many microbatches as stages
+                continue
+            return n
+        raise ValueError(
+            f"A batch of {size} samples cannot be split into microbatches for pipeline_schedule={self.schedule_name!r}"
+            f" on {self.layout.pp} ranks ({self.layout.num_stages} stages). Use batch sizes that are multiples of"
+            f" pipeline_microbatches={self.microbatches} (drop_last=True for the training loader), or a schedule that"
+            " takes fewer microbatches (GPipe, LoopedBFS)."
+        )
+
+    def _loss(self, output: Tensor, target: Any) -> Tensor:
+        # The stage output of the last stage is the user's loss for one microbatch (already weighed by its
+        # tokens under loss_normalization='tokens', whose step then divides by their total).
+        loss = output / ((1 if self.tokens is not None else self._n_mb) * self._accumulate)
+        return self.scale_loss(loss) if self.scale_loss is not None else loss
+
+    def _record_actions(self, stage: PipelineStage) -> None:
+        # Wrap the stage's compute entry points to time every action the schedule really runs.
+        for attr, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
+            original = getattr(stage, attr, None)
+            if original is None:
+                continue
+
+            def timed(*args: Any, __orig: Callable = original, __kind: str = kind, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                out = __orig(*args, **kwargs)
+                mb = args[0] if args and isinstance(args[0], int) else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
+                self.timeline.append((stage.stage_index, __kind, int(mb), t0, time.perf_counter()))
+                return out
+
+            setattr(stage, attr, timed)
+
+    # ------------------------------------------------------------------ the stage program
+
+    def run_stage(self, stage: int, batch: Any, incoming: Tensor | None) -> Tensor:
+        last = stage == self.layout.num_stages - 1
+        # Modules before the stack run as stand-ins on every stage but the first (they only give shapes; the
+        # stage's input replaces their output). Those after it are stand-ins already on ranks without the last.
+        stand_ins = {name: stand_in for name, (_, stand_in) in self._swaps.items()} if stage != 0 else {}
+
+        def call() -> Any:
+            with self._metrics_frozen() if self._inferring else nullcontext():
+                return getattr(self.module, self._method)(batch, *self._step_args)
+
+        cut, out = stage_program(self.module, self.blocks, self.layout.block_ranges[stage], last, incoming, stand_ins, call)
+        if cut:
+            return out
+        if not self._inferring:
+            self._outputs.append(out)
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if self._method == "training_step":
+            if self.tokens is not None:
+                return loss * (self.tokens.count(batch) if self._inferring else self.tokens.add(batch))
+            return loss
+        # Eval steps return nothing the schedule needs, but it concatenates last-stage outputs.
+        return torch.zeros(1, device=self.device)
+
+    # ------------------------------------------------------------------ one Lightning step
+
+    @contextmanager
+    def _capture_logs(self) -> Iterator[None]:
+        self._logged = []
+
+        def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if not self._inferring:
+                self._logged.append((name, value, kwargs))
+
+        self.module.log = record  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del self.module.log  # the instance attribute shadowed the method
+
+    @contextmanager
+    def _metrics_frozen(self) -> Iterator[None]:
+        metrics = [m for m in self.module.modules() if isinstance(m, Metric)]
+        saved = [m.__dict__.get("update") for m in metrics]
+        for m in metrics:
+            m.update = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            for m, update in zip(metrics, saved):
+                if update is None:
+                    del m.update
+                else:
+                    m.update = update  # type: ignore[method-assign]
+
+    def run(self, method: str, batch: Any, step_args: tuple, accumulate: int = 1) -> Any:
+        """Run ``method`` (e.g. 'training_step') on ``batch`` through the schedule; return its result."""
+        size = batch_size(batch)
+        training = method == "training_step"
+        n_mb = self.microbatches_for(size, training)
+        self._method, self._step_args, self._n_mb, self._accumulate = method, step_args, n_mb, accumulate
+        self._outputs = []
+        schedule = self._schedule(n_mb, training)
+        placeholder = torch.zeros(size, device=self.device)  # the loss lives in the stage output, not a target
+        start = time.perf_counter()
+        self.timeline = []
+        with self._capture_logs():
+            if training:
+                self._stash_grads()
+                schedule.step(target=placeholder, return_outputs=False, **{BATCH_KWARG: batch})
+                if self.ties is not None:
+                    self.ties.sum_grads()  # copies of a tied weight on several stages: one gradient
+                self._take_new_grads()
+            else:
+                schedule.eval(target=placeholder, **{BATCH_KWARG: batch})
+        self.step_window = (start, time.perf_counter())
+        self._replay_logs()
+        return self._result(method)
+
+    def _result(self, method: str) -> Any:
+        """What the step returned, as one process would see it, on every rank: the microbatch outputs of the
+        last stage merged (the loss averaged; a training dict keeps its other entries)."""
+        outs = self._outputs[-self._n_mb :] if self.is_last else []
+        if method == "training_step":
+            losses = [o.get("loss") if isinstance(o, dict) else o for o in outs]
+            value = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else torch.zeros(())
+            has_extras = float(bool(outs) and isinstance(outs[0], dict) and len(outs[0]) > 1)
+            packed = torch.stack([value, torch.tensor(has_extras)]).to(self.device)  # one broadcast per step
+            dist.broadcast(packed, group=self.pp_group, group_src=self.last_rank)
+            value = packed[0]
+            if not packed[1]:
+                return value
+            box = [_merge([{k: v for k, v in o.items() if k != "loss"} for o in outs]) if self.is_last else None]
+            dist.broadcast_object_list(box, group=self.pp_group, group_src=self.last_rank)
+            return {"loss": value, **box[0]}
+        box = [_merge(outs) if self.is_last else None]
+        dist.broadcast_object_list(box, group=self.pp_group, group_src=self.last_rank)
+        return box[0]
+
+    # ------------------------------------------------------------------ logging
+
+    def _replay_logs(self) -> None:
+        # Only the last stage ran the step to the end; average what it logged over microbatches and
+        # log the same on every rank, so loggers on rank 0 and sync_dist collectives see it everywhere.
+        metric_names = {id(m): n for n, m in self.module.named_modules() if isinstance(m, Metric)}
+        summary: list[tuple[str, Any, dict[str, Any]]] = []
+        if self.is_last:
+            values: dict[str, list[Any]] = defaultdict(list)
+            kwargs_of: dict[str, dict[str, Any]] = {}
+            for name, value, kwargs in self._logged[-self._n_mb * 64 :]:
+                values[name].append(value)
+                kwargs_of[name] = kwargs
+            for name, vals in values.items():
+                last = vals[-1]
+                if isinstance(last, Metric):
+                    summary.append((name, ("metric", metric_names.get(id(last), "")), kwargs_of[name]))
+                else:
+                    nums = [float(v.detach().float().mean()) if isinstance(v, Tensor) else float(v) for v in vals[-self._n_mb :]]
+                    summary.append((name, ("value", sum(nums) / len(nums)), kwargs_of[name]))
+        box = [summary]
+        dist.broadcast_object_list(box, group=self.pp_group, group_src=self.last_rank)
+        for name, (kind, payload), kwargs in box[0]:
+            if kind == "metric":
+                value = self.module.get_submodule(payload)
+            else:
+                value = torch.tensor(payload, device=self.device)
+            self.module.log(name, value, **kwargs)
+
+    # ------------------------------------------------------------------ gradients
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _stash_grads(self) -> None:
+        self._previous = {p: p.grad for p in self._params()}
+        for p in self._previous:
+            p.grad = None
+
+    def _take_new_grads(self) -> None:
+        self._stash = {p: p.grad for p in self._previous}
+        for p, g in self._previous.items():
+            p.grad = g
+        self._previous = {}
+
+    def restore_grads(self) -> None:
+        """Called from the strategy's backward: add this step's gradients to whatever survived zero_grad."""
+        for p, g in self._stash.items():
+            if g is None:
+                continue
+            p.grad = g if p.grad is None else p.grad + g
+        self._stash = {}
+
+    # ------------------------------------------------------------------ timeline
+
+    def bubble_fraction(self) -> float:
+        """Idle share of this rank during the last step."""
+        return bubble_fraction(self.timeline, self.step_window)
+
+
+def bubble_fraction(actions: list[tuple], window: tuple[float, float]) -> float:
+    """Idle share of one rank in one step: 1 - (time inside stage compute) / (step time)."""
+    start, end = window
+    busy = sum(t1 - t0 for *_, t0, t1 in actions)
+    return max(0.0, 1.0 - busy / max(end - start, 1e-9))
+
+
+def _divisor(size: int, most: int) -> int:
+    return max(d for d in range(1, most + 1) if size % d == 0)
+
+
+def _merge(outs: list[Any]) -> Any:
+    """Per-microbatch outputs as one batch's: tensors concatenated (scalars averaged), dicts per key."""
+    if not outs or all(o is None for o in outs):
+        return None
+    if all(isinstance(o, Tensor) for o in outs):
+        outs = [o.detach() for o in outs]
+        return torch.stack(outs).float().mean() if outs[0].dim() == 0 else torch.cat(outs)
+    if all(isinstance(o, dict) for o in outs):
+        return {k: _merge([o[k] for o in outs]) for k in outs[0]}
+    if all(isinstance(o, (int, float)) for o in outs):
+        return sum(outs) / len(outs)
+    return outs

@@ -1,0 +1,125 @@
+"""Pipeline options, validated up front, and the set-up that turns a LightningModule into local stages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_llmpar.modeling.structure import find_block_stack, has_forward
+from lightning_llmpar.modeling.ties import TiedCopies, find_tied_weights
+from lightning_llmpar.pipeline.check import check_split, checkable, run_whole
+from lightning_llmpar.pipeline.runner import PipelineRunner
+from lightning_llmpar.pipeline.split import split_model, stage_costs, stage_finder
+from lightning_llmpar.pipeline.stages import SCHEDULES, V_SCHEDULES, StageLayout, plan_stages
+
+__all__ = ["PipelineConfig", "build_pipeline", "ZERO_BUBBLE_SCHEDULES"]
+
+# Split backward (separate input- and weight-gradient passes) interleaves with FSDP2's re-sharding
+# after forward in a way that loses or corrupts gradients: measured wrong (loss off by 1e-2) with
+# zero_stage=3 and exact with zero_stage 0-2, for all three.
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    degree: int = 1
+    schedule: str = "Interleaved1F1B"
+    microbatches: int = 2
+    virtual_stages: int = 1
+    split_points: tuple[int, ...] | None = None
+
+    @classmethod
+    def validated(
+        cls,
+        degree: int,
+        schedule: str,
+        microbatches: int | None,
+        virtual_stages: int | None,
+        split_points: list[int] | None,
+        zero_stage: int = 0,
+    ) -> PipelineConfig:
+        names = {k.lower(): k for k in SCHEDULES}
+        if not isinstance(schedule, str) or schedule.lower() not in names:
+            raise ValueError(f"pipeline_schedule={schedule!r} is not one of {list(SCHEDULES)}.")
+        schedule = names[schedule.lower()]
+        if degree > 1 and zero_stage == 3 and schedule in ZERO_BUBBLE_SCHEDULES:
+            raise ValueError(
+                f"pipeline_schedule={schedule!r} with zero_stage=3 gives wrong gradients (split weight/input"
+                f" backward against FSDP2 re-sharding). Use zero_stage 0, 1 or 2 with {schedule}, or keep"
+                " zero_stage=3 with Interleaved1F1B, 1F1B, GPipe or LoopedBFS."
+            )
+        needed = SCHEDULES[schedule]
+        if virtual_stages is None:
+            virtual_stages = needed if needed is not None else 2
+        if not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"pipeline_virtual_stages must be a positive integer, got {virtual_stages!r}.")
+        if needed is not None and virtual_stages != needed:
+            raise ValueError(
+                f"pipeline_schedule={schedule!r} runs {needed} stage(s) per rank, but pipeline_virtual_stages="
+                f"{virtual_stages}. Set pipeline_virtual_stages={needed} or pick a multi-stage schedule"
+                " (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble)."
+            )
+        if needed is None and virtual_stages < 2:
+            raise ValueError(
+                f"pipeline_schedule={schedule!r} interleaves several stages per rank; pipeline_virtual_stages"
+                f"={virtual_stages} must be >= 2 (or use pipeline_schedule='1F1B' for one stage per rank)."
+            )
+        if microbatches is None:
+            microbatches = 2 * degree
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"pipeline_microbatches must be a positive integer, got {microbatches!r}.")
+        if degree > 1 and microbatches < degree:
+            raise ValueError(
+                f"pipeline_microbatches={microbatches} is smaller than pipeline_parallel={degree}: some stages"
+                f" would never work at the same time. Use at least {degree} microbatches."
+            )
+        return cls(degree, schedule, microbatches, virtual_stages, tuple(split_points) if split_points else None)
+
+
+def build_pipeline(
+    module: LightningModule,
+    config: PipelineConfig,
+    mesh: DeviceMesh,
+    device: torch.device,
+    tokens: Any = None,
+    param_dtype: torch.dtype | None = None,
+    check: Callable[[], Any] | None = None,
+) -> PipelineRunner:
+    """Split ``module`` into this rank's stages (removing the rest) and return the runner that steps them."""
+    pp_mesh = mesh["pp"]
+    stack = find_block_stack(module)
+    if stack is None:
+        raise ValueError(
+            f"Pipeline parallelism needs the model's blocks in one nn.ModuleList of identical modules; none was"
+            f" found in {type(module).__name__}. See docs/model-convention.md."
+        )
+    containers = [n for n, b in zip(stack.names(), stack.modules()) if not has_forward(b)]
+    if containers:
+        raise ValueError(
+            f"Pipeline parallelism enters and leaves each stage at a block of '{stack.prefix}', but its blocks (e.g."
+            f" '{containers[0]}') are containers without a forward that the model never calls. Name a stack of blocks"
+            " its forward calls with block_stack='...', or train this model with tensor and data parallelism."
+        )
+    num_stages = config.degree * config.virtual_stages
+    with checkable(module) as real:
+        # The user's step, whole (which also shows what runs before and after the blocks) and then stage by
+        # stage, before anything is split.
+        reference = run_whole(module, stack, check) if check is not None and real else None
+        stack = reference.stack if reference is not None else stack
+        costs, first, last = stage_costs(module, stack)
+        ranges = plan_stages(costs, num_stages, first_extra=first, last_extra=last, split_points=config.split_points)
+        if reference is not None:
+            check_split(module, reference, ranges, check)
+    layout = StageLayout(config.degree, config.virtual_stages, config.schedule in V_SCHEDULES, ranges)
+    tied = find_tied_weights(module)
+    stage_of = stage_finder(module, stack, layout)
+    parts, swaps = split_model(module, stack, layout, pp_mesh.get_local_rank(), tied, param_dtype)
+    ties = TiedCopies.build(module, tied, stage_of, layout.rank_of, mesh)
+    return PipelineRunner(
+        module, stack.blocks, layout, parts, swaps, pp_mesh, device, config.schedule, config.microbatches, ties, tokens
+    )

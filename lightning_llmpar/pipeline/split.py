@@ -1,0 +1,311 @@
+"""Pipeline parallelism for a LightningModule on torch.distributed.pipelining.
+
+The user's own ``training_step`` is the stage program. Each stage runs it on a microbatch with the
+block stack narrowed to the stage's blocks: a non-first stage substitutes the activation it received
+for the input of its first block, a non-last stage stops at the output of its last block, and the last
+stage runs the step to the end, so the user's loss code is untouched. Modules holding parameters before
+the stack (embeddings) live on the first stage, those after it (norm, head) on the last; parameter
+names never change, so checkpoints move between layouts.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_llmpar.modeling.structure import BlockStack, first_arg_name, num_params
+from lightning_llmpar.modeling.ties import TiedWeight, split_copies
+from lightning_llmpar.pipeline.stages import StageLayout
+
+__all__ = [
+    "split_model",
+    "StageModule",
+    "replace_module",
+    "stage_finder",
+    "stage_program",
+    "outside_owners",
+]
+
+BATCH_KWARG = "llmpar_batch"
+
+
+class StageBoundary(Exception):
+    """Raised at the last block of a non-last stage to end the step there, carrying the activation."""
+
+    def __init__(self, activation: Tensor) -> None:
+        super().__init__("pipeline stage boundary")
+        self.activation = activation
+
+
+class _StandIn(nn.Module):
+    """Takes the place of a module that lives on another stage.
+
+    Before the stack it must still produce an output of the right shape (the model's forward uses it
+    to build positions and masks; the stage then replaces it with the received activation), so it runs
+    a copy of the module on the meta device and returns zeros of that shape. After the stack it is
+    never reached, because the stage ends at its last block.
+    """
+
+    def __init__(
+        self, original: nn.Module, name: str, before_stack: bool, blocks: nn.ModuleList, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.name, self.before_stack, self.dtype = name, before_stack, dtype
+        self.num_embeddings = getattr(original, "num_embeddings", None)
+        self._meta = [copy.deepcopy(original).to("meta")] if before_stack else []  # list: not a submodule
+        self._blocks = [blocks]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        entered = getattr(self._blocks[0], "_llmpar_entered", False)
+        if not self.before_stack or entered:
+            where = ("first", "before") if self.before_stack else ("last", "after")
+            raise ValueError(
+                f"Pipeline split: module '{self.name}' was placed on the {where[0]} stage as running {where[1]} the"
+                f" block stack, but the model calls it {'after' if entered else 'before'} its blocks (here, on a"
+                " stage that does not hold it). See docs/model-convention.md for what the split needs."
+            )
+        device = next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
+        to_meta = lambda t: t.to("meta") if isinstance(t, Tensor) else t  # noqa: E731
+        out = self._meta[0](*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
+        # Under a mixed-precision policy the real module computes with cast weights: match its output dtype
+        # (code after it, such as rotary tables, takes its dtype from this output).
+        dtype = self.dtype if self.dtype is not None and out.is_floating_point() else out.dtype
+        return torch.zeros(out.shape, dtype=dtype, device=device)
+
+
+class _PassThrough(nn.Module):
+    """Stands for a block before the current stage's first block: returns its input unchanged."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+_PASS = _PassThrough()
+
+
+class _StageBlocks(nn.ModuleList):
+    """The block stack with only this rank's blocks, iterated through the active stage's window.
+
+    Blocks of other ranks are removed but the remaining keep their indices as names, so parameter
+    names are the same in every layout.
+    """
+
+    _llmpar_total: int
+    _llmpar_window: tuple[int, ...] | None
+    _llmpar_entered: bool
+
+    def _active(self, indices: Sequence[int]) -> list[nn.Module]:
+        window = self._llmpar_window
+        if window is None:
+            return [self._modules[str(i)] for i in indices if str(i) in self._modules]
+        # Blocks before the stage's window run as pass-throughs (their output is replaced by the received
+        # activation), so a forward that pairs blocks with per-layer lists by position (enumerate,
+        # zip(layer_types, layers)) keeps every block at its own index. Nothing after the window runs.
+        return [self._modules[str(i)] if i in window else _PASS for i in indices if i < window[-1] + 1]
+
+    def __iter__(self):  # type: ignore[override]
+        return iter(self._active(range(self._llmpar_total)))
+
+    def __len__(self) -> int:
+        return self._llmpar_total
+
+    def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]
+        if isinstance(idx, slice):
+            return self._active(range(self._llmpar_total)[idx])
+        return self._modules[str(idx if idx >= 0 else self._llmpar_total + idx)]
+
+
+# Names of modules that run after the block stack even when registered before it (OPT's decoder
+# registers final_layer_norm before its layers).
+_AFTER_NAMES = {"lm_head", "ln_f", "norm_f", "final_layer_norm", "final_layernorm", "final_norm", "project_out",
+                "embed_out", "output", "head"}
+
+
+def _shipped_order(model: nn.Module, stack: BlockStack) -> tuple[set[str], set[str]]:
+    """(before, after) the stack from transformers' ``base_model_pp_plan`` (modules in execution order)."""
+    before: set[str] = set()
+    after: set[str] = set()
+    for prefix, module in model.named_modules():
+        plan = getattr(getattr(module, "config", None), "base_model_pp_plan", None)
+        if not plan or getattr(module, "base_model", None) is not module:
+            continue
+        names = [f"{prefix}.{key}" if prefix else key for key in plan]
+        if stack.prefix in names:
+            at = names.index(stack.prefix)
+            before.update(names[:at])
+            after.update(names[at + 1 :])
+    return before, after
+
+
+def outside_owners(model: nn.Module, stack: BlockStack) -> tuple[list[str], list[str]]:
+    """Modules outside the stack that hold parameters: (run before it, run after it).
+
+    What was seen in a run of the model's step decides (``stack.ran_after``, see pipeline_check). A module not
+    seen running (its weight used directly) goes by registration order, unless the model says otherwise:
+    transformers' ``base_model_pp_plan``, or a name that only a final norm or output head has. A wrong guess is
+    caught at the first step (a stand-in called on the wrong side of the blocks raises).
+    """
+    shipped_before, shipped_after = _shipped_order(model, stack)
+    before, after, seen_stack = [], [], False
+    for name, module in model.named_modules():
+        if name == stack.prefix:
+            seen_stack = True
+            continue
+        if name.startswith(stack.prefix + ".") or not any(True for _ in module.parameters(recurse=False)):
+            continue
+        if any(name.startswith(owner + ".") for owner in before + after):
+            continue  # moves with its parent
+        leaf = name.rsplit(".", 1)[-1].lower()
+        runs_after = seen_stack and name not in shipped_before
+        if name in shipped_after or leaf in _AFTER_NAMES or leaf.startswith("final"):
+            runs_after = True
+        if name in stack.ran_before or name in stack.ran_after:
+            runs_after = name in stack.ran_after
+        (after if runs_after else before).append(name)
+    return before, after
+
+
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def stage_program(
+    module: nn.Module,
+    blocks: nn.ModuleList,
+    window: tuple[int, int],
+    last: bool,
+    incoming: Tensor | None,
+    stand_ins: dict[str, nn.Module],
+    call: Callable[[], Any],
+) -> tuple[bool, Any]:
+    """Run ``call()`` (the user's step) as the stage holding blocks ``window``: modules of other stages replaced
+    by ``stand_ins``, ``incoming`` substituted for the first block's input, the step cut after the window's last
+    block unless ``last``. Returns (cut at the boundary, the activation there or the step's result)."""
+    start, stop = window
+    blocks._llmpar_window = tuple(range(start, stop))  # type: ignore[assignment]
+    blocks._llmpar_entered = False  # type: ignore[assignment]
+    originals = {name: module.get_submodule(name) for name in stand_ins}
+    for name, stand_in in stand_ins.items():
+        replace_module(module, name, stand_in)
+    first = blocks[start]
+    arg = first_arg_name(first)
+
+    def enter(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        blocks._llmpar_entered = True  # type: ignore[assignment]
+        if incoming is None:
+            return args, kwargs
+        if args:
+            return (incoming, *args[1:]), kwargs
+        return args, {**kwargs, arg: incoming}
+
+    def boundary(_m: nn.Module, _args: Any, output: Any) -> None:
+        raise StageBoundary(output[0] if isinstance(output, tuple) else output)
+
+    handles = [first.register_forward_pre_hook(enter, with_kwargs=True)]
+    if not last:
+        handles.append(blocks[stop - 1].register_forward_hook(boundary))
+    try:
+        return False, call()
+    except StageBoundary as done:
+        return True, done.activation
+    finally:
+        for handle in handles:
+            handle.remove()
+        blocks._llmpar_window = None  # type: ignore[assignment]
+        for name, original in originals.items():
+            replace_module(module, name, original)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: owns its parts (for FSDP and PipelineStage) and runs the user's step."""
+
+    def __init__(self, runner: Any, index: int, parts: dict[str, nn.Module]) -> None:
+        super().__init__()
+        self.index = index
+        self.parts = nn.ModuleDict({name.replace(".", "__"): m for name, m in parts.items()})
+        self._runner = [runner]  # list: keeps the runner (and the LightningModule) out of the module tree
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        batch = kwargs.pop(BATCH_KWARG)
+        incoming = args[0] if args else None
+        return self._runner[0].run_stage(self.index, batch, incoming)
+
+
+def stage_finder(model: nn.Module, stack: BlockStack, layout: StageLayout) -> Callable[[str], int]:
+    """Maps a parameter name of the unsplit model to the stage that holds it."""
+    before, after = outside_owners(model, stack)
+    block_stage = {i: s for s, (start, stop) in enumerate(layout.block_ranges) for i in range(start, stop)}
+
+    def stage_of(name: str) -> int:
+        module = name.rpartition(".")[0]
+        if stack.prefix and module.startswith(stack.prefix + "."):
+            return block_stage[int(module[len(stack.prefix) + 1 :].split(".", 1)[0])]
+        if any(module == o or module.startswith(o + ".") for o in before):
+            return 0
+        if any(module == o or module.startswith(o + ".") for o in after):
+            return layout.num_stages - 1
+        raise ValueError(f"Parameter '{name}' is neither in the block stack nor in a module before or after it.")
+
+    return stage_of
+
+
+def split_model(
+    model: nn.Module,
+    stack: BlockStack,
+    layout: StageLayout,
+    pp_rank: int,
+    tied: Sequence[TiedWeight] = (),
+    param_dtype: torch.dtype | None = None,
+) -> tuple[dict[int, dict[str, nn.Module]], dict[str, tuple[nn.Module, nn.Module]]]:
+    """Remove from ``model`` what other pipeline ranks hold; return this rank's parts per stage.
+
+    Also returns, for the modules before the stack that this rank keeps, a (real, stand-in) pair:
+    the rank's later stages must run the stand-in, or they would use (and, under ZeRO-3, find
+    resharded) the first stage's embedding. Tied weights used by several of this rank's stages get a
+    copy per stage (see lightning_llmpar.modeling.ties).
+    """
+    before, after = outside_owners(model, stack)
+    local = layout.stages_of(pp_rank)
+    last = layout.num_stages - 1
+    split_copies(model, tied, stage_finder(model, stack, layout), local)
+    parts: dict[int, dict[str, nn.Module]] = {s: {} for s in local}
+    blocks = stack.blocks
+    for s in local:
+        start, stop = layout.block_ranges[s]
+        for i in range(start, stop):
+            parts[s][f"{stack.prefix}.{i}"] = blocks[i]
+    swaps: dict[str, tuple[nn.Module, nn.Module]] = {}
+    for name in before:
+        if 0 in local:
+            parts[0][name] = real = model.get_submodule(name)
+            swaps[name] = (real, _StandIn(real, name, True, blocks, param_dtype))
+        else:
+            replace_module(model, name, _StandIn(model.get_submodule(name), name, True, blocks, param_dtype))
+    for name in after:
+        if last in local:
+            parts[last][name] = model.get_submodule(name)
+        else:
+            replace_module(model, name, _StandIn(model.get_submodule(name), name, False, blocks))
+    keep = {str(i) for s in local for i in range(*layout.block_ranges[s])}
+    total = len(blocks)
+    for key in list(blocks._modules):
+        if key not in keep:
+            del blocks._modules[key]
+    blocks.__class__ = _StageBlocks
+    blocks._llmpar_total = total
+    blocks._llmpar_window = None
+    blocks._llmpar_entered = False
+    return parts, swaps
+
+
+def stage_costs(model: nn.Module, stack: BlockStack) -> tuple[list[int], int, int]:
+    before, after = outside_owners(model, stack)
+    costs = [num_params(b) for b in stack.blocks]
+    first = sum(sum(p.numel() for p in model.get_submodule(n).parameters(recurse=False)) for n in before)
+    last = sum(sum(p.numel() for p in model.get_submodule(n).parameters(recurse=False)) for n in after)
+    return costs, first, last

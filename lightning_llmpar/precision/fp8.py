@@ -1,0 +1,71 @@
+"""FP8 training: swap suitable ``nn.Linear`` modules for torchao's ``Float8Linear`` before parallelization.
+
+The swap must come first: tensor parallelism and FSDP2 shard the parameters of the modules they find,
+and torchao's float8 all-gather only exists for weights that were Float8Linear when ``fully_shard`` ran.
+Parameter names do not change (a Float8Linear keeps ``weight``/``bias``), so checkpoints stay
+interchangeable with bf16/fp32 runs.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_llmpar.modeling.structure import find_block_stack
+
+__all__ = ["convert_to_fp8", "fp8_candidates"]
+
+_FP8_MULTIPLE = 16  # FP8 matmul kernels need both dimensions divisible by 16
+
+
+def fp8_candidates(model: nn.Module, *, keep_first_last: bool = True, skip: list[str] | None = None) -> list[str]:
+    """Names of the linears that run in FP8: right shape, not skipped, and (by default) not in the first
+    or last block or outside the block stack (LM head, input projections)."""
+    skip = skip or []
+    stack = find_block_stack(model)
+    names = stack.names() if stack is not None else []
+    protected = {names[0], names[-1]} if keep_first_last and len(names) > 0 else set()
+    chosen = []
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear:
+            continue
+        if module.in_features % _FP8_MULTIPLE or module.out_features % _FP8_MULTIPLE:
+            continue
+        if any(pattern in name for pattern in skip):
+            continue
+        block = next((b for b in names if name.startswith(b + ".")), None)
+        if keep_first_last and (block is None or block in protected):
+            continue
+        chosen.append(name)
+    return chosen
+
+
+def convert_to_fp8(
+    model: nn.Module,
+    recipe: str,
+    *,
+    float8_all_gather: bool,
+    keep_first_last: bool = True,
+    skip: list[str] | None = None,
+) -> list[str]:
+    """Convert in place; returns the converted module names. Raises if nothing qualifies."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as err:
+        raise ImportError("FP8Precision needs torchao: pip install 'lightning_llmpar[fp8]'.") from err
+
+    chosen = set(fp8_candidates(model, keep_first_last=keep_first_last, skip=skip))
+    if not chosen:
+        raise ValueError(
+            f"FP8Precision found no linear layer to convert in {type(model).__name__}: FP8 needs dimensions"
+            f" divisible by {_FP8_MULTIPLE}, and keep_first_last=True keeps the first and last block and"
+            " the layers outside the block stack in higher precision. Use a model with more blocks, or"
+            " keep_first_last=False."
+        )
+    # Float8 all-gather exists for tensorwise scaling only (FP8Precision refuses other pairings).
+    config = (
+        Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+        if float8_all_gather
+        else Float8LinearConfig.from_recipe_name(recipe)
+    )
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, fqn: fqn in chosen)
+    return sorted(chosen)

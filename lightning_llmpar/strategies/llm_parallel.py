@@ -1,0 +1,379 @@
+"""LLMParallelStrategy: a thin Lightning adapter over layout -> mesh -> parallelize -> checkpoint."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from torch import Tensor
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_llmpar.checkpointing import dcp as ckpt
+from lightning_llmpar.data_parallel.backend import FSDP2Backend, ShardingBackend
+from lightning_llmpar.data_parallel.deepspeed import DeepSpeedBackend
+from lightning_llmpar.data_parallel.fsdp import no_gradient_sync
+from lightning_llmpar.layout import ParallelLayout
+from lightning_llmpar.parallelize import ParallelConfig
+from lightning_llmpar.pipeline.runner import PipelineRunner
+from lightning_llmpar.precision.plugins import mesh_precision
+from lightning_llmpar.strategies.mesh import MeshStrategy
+from lightning_llmpar.strategies.options import BACKENDS, START_METHODS, validate_options
+from lightning_llmpar.tensor_parallel import Packing
+from lightning_llmpar.training.batches import train_batch_sizes
+from lightning_llmpar.training.loss_normalization import TokenNormalizer
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["LLMParallelStrategy"]
+
+log = logging.getLogger(__name__)
+
+class LLMParallelStrategy(MeshStrategy):
+    """Tensor, data (ZeRO 0-3, hybrid) and sequence parallelism for any LightningModule on one device mesh.
+
+    Args:
+        tensor_parallel: ranks that split every weight matrix (Megatron column/row).
+        data_parallel: data-parallel ranks; 'auto' = world size / (tensor_parallel x pipeline_parallel).
+        pipeline_parallel: pipeline stages (1 = no pipeline).
+        zero_stage: 0 replicated (DDP), 1 optimizer state sharded, 2 + gradients, 3 + parameters (FSDP).
+        data_parallel_replicate: replicas for hybrid sharding: parameters are sharded over
+            data_parallel / data_parallel_replicate ranks and replicated across replicas. 'auto' = 1 for
+            zero_stage >= 1 (full sharding) and data_parallel for zero_stage 0; 'num_nodes' shards within a
+            node and replicates across nodes.
+        sequence_parallel: with tensor_parallel > 1, shard activations along the sequence between the
+            tensor-parallel regions (norms, residuals), saving activation memory at no extra traffic.
+        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory (zero_stage >= 1).
+        tp_plan: explicit tensor-parallel plan, module-name pattern -> style, taking precedence over the
+            inferred plan (see ``lightning_llmpar.tensor_parallel.TP_STYLES``).
+        pipeline_schedule: a ``torch.distributed.pipelining`` schedule name: Interleaved1F1B (default),
+            GPipe, 1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV.
+        pipeline_microbatches: microbatches per step (default 2 x pipeline_parallel); must divide the batch.
+        pipeline_virtual_stages: stages per pipeline rank (default 2 for multi-stage schedules, else 1).
+        pipeline_split_points: block indices where stages 1..S-1 start (default: balanced by parameters).
+        sharding_backend: 'fsdp2' (default) or 'deepspeed' (data-parallel axis run by a DeepSpeed engine;
+            tensor_parallel and pipeline_parallel must be 1).
+        deepspeed_config: a DeepSpeed JSON config (path or dict) merged with these options;
+            contradictions are refused.
+        offload_optimizer: DeepSpeed only: 'cpu' or an NVMe directory for optimizer state (zero_stage >= 1).
+        offload_parameters: DeepSpeed only: 'cpu' or an NVMe directory for parameters (zero_stage 3).
+        gradient_compression: compress the data-parallel gradient sync: 'fp16', 'bf16', 'int8', 'topk',
+            'powersgd', or a dict such as ``{"method": "powersgd", "rank": 4, "start_step": 10}`` (see
+            docs/compression.md). With sharding_backend='deepspeed': 'onebit_adam' or 'zero_one_adam'.
+        hf_checkpoint: a local Hugging Face model directory (config.json + safetensors) loaded into the
+            transformers model inside the LightningModule after parallelization, each rank reading only
+            the slices it holds. Build the module on the meta device (``trainer.init_module(empty_init=True)``
+            or in ``configure_model``) so no rank ever holds the whole model (see docs/huggingface.md).
+        loss_normalization: 'mean' (default, as DDP/FSDP): every microbatch's and data-parallel rank's mean
+            loss weighs the same. 'tokens': the step's loss is the mean over all valid target tokens (padding
+            and ignore_index -100 left out), exactly as one process computes it on the global batch; tokens
+            are counted in a dict's 'labels' (shifted by one, as transformers' causal-LM loss) or the targets
+            of an (inputs, targets) pair, or by a callable(batch) -> count given here.
+        block_stack: qualified name of the nn.ModuleList holding the model's blocks (e.g. 'model.layers'), for
+            models where the one found by structure is not it (see docs/model-convention.md).
+        pipeline_check: before splitting, run the step on one sample of the first training batch whole and
+            stage by stage and refuse a split that computes something else (see docs/model-convention.md).
+        litgpt_checkpoint: a LitGPT checkpoint directory (lit_model.pth + model_config.yaml) loaded into the
+            LitGPT model inside the LightningModule, each rank reading only its slices.
+        start_method: how processes are started when no launcher (torchrun, SLURM) started them.
+    """
+
+    strategy_name = "llmpar"
+    applies_activation_checkpointing = True  # between tensor parallelism and sharding (see parallelize)
+    checking_pipeline_split = False  # True while the step runs for the pipeline split check (see pipeline.check)
+
+    def __init__(
+        self,
+        tensor_parallel: int = 1,
+        data_parallel: int | Literal["auto"] = "auto",
+        pipeline_parallel: int = 1,
+        zero_stage: int = 0,
+        data_parallel_replicate: int | Literal["auto", "num_nodes"] = "auto",
+        sequence_parallel: bool = True,
+        cpu_offload: bool = False,
+        tp_plan: dict[str, str] | None = None,
+        pipeline_schedule: str = "Interleaved1F1B",
+        pipeline_microbatches: int | None = None,
+        pipeline_virtual_stages: int | None = None,
+        pipeline_split_points: list[int] | None = None,
+        sharding_backend: BACKENDS = "fsdp2",
+        deepspeed_config: str | dict[str, Any] | None = None,
+        offload_optimizer: str | None = None,
+        offload_parameters: str | None = None,
+        gradient_compression: str | dict[str, Any] | None = None,
+        hf_checkpoint: str | None = None,
+        loss_normalization: Literal["mean", "tokens"] | Callable[[Any], int] = "mean",
+        block_stack: str | None = None,
+        litgpt_checkpoint: str | None = None,
+        pipeline_check: bool = True,
+        start_method: START_METHODS = "popen",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        self.options = options = validate_options(arguments)
+        self.pipeline = options.pipeline
+        self.hf_checkpoint, self.litgpt_checkpoint = options.hf_checkpoint, options.litgpt_checkpoint
+        self._tokens: TokenNormalizer | None = None
+        self._step_tokens = 1
+        self.parallel_config = ParallelConfig(
+            sequence_parallel=sequence_parallel, tp_plan=dict(tp_plan or {}), cpu_offload=cpu_offload,
+            gradient_compression=options.compression,
+        )
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._layout: ParallelLayout | None = None
+        self._device_mesh: DeviceMesh | None = None
+        self._dp_mesh: DeviceMesh | None = None
+        self.num_nodes = 1
+        # The sharding backend is an object this strategy holds; the precision plugin given so far is converted
+        # again for it (the DeepSpeed engine runs precision itself).
+        self._backend: ShardingBackend = DeepSpeedBackend(self) if sharding_backend == "deepspeed" else FSDP2Backend(self)
+        self.precision_plugin = self._given_precision
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        # Lightning's own plugins (precision="16-mixed", ...) become their mesh-aware equivalents, or what the
+        # sharding backend runs (Lightning sets the plugin after construction, ParallelStrategy during it).
+        self._given_precision = precision_plugin
+        backend = self.__dict__.get("_backend")
+        self._precision_plugin = backend.convert_precision(precision_plugin) if backend else mesh_precision(precision_plugin)
+
+    # ----------------------------------------------------------------- layout and processes
+
+    def _build_layout(self, world_size: int) -> ParallelLayout:
+        degrees = dict(self.options.degrees)
+        if degrees["data_parallel_replicate"] == "num_nodes":
+            degrees["data_parallel_replicate"] = self.num_nodes
+        layout = ParallelLayout.from_degrees(world_size, **degrees)
+        if self.options.deepspeed["gradient_compression"] is not None and layout.dp == 1:
+            raise ValueError(
+                f"gradient_compression={self.options.deepspeed['gradient_compression']!r} compresses the data-parallel"
+                f" gradient sync, but this layout has one data-parallel rank ({layout}). Remove it, or use more"
+                " devices for data parallelism."
+            )
+        return layout
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp_mesh = self._dp_mesh
+        assert dp_mesh is not None
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        if self.layout.pp > 1 and not model.automatic_optimization:
+            raise ValueError(
+                "pipeline_parallel > 1 runs forward and backward inside the pipeline schedule, so manual optimization"
+                f" (automatic_optimization=False in {type(model).__name__}) cannot call manual_backward. Use automatic"
+                " optimization, or pipeline_parallel=1."
+            )
+
+    # ----------------------------------------------------------------- model
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._backend.setup(trainer)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # Meta device: real memory is allocated after parallelization, for each rank's shards only. When
+        # Lightning lets the strategy decide (configure_model) and weights come from hf_checkpoint, meta too.
+        meta = empty_init or (empty_init is None and (self.hf_checkpoint or self.litgpt_checkpoint) is not None)
+        with torch.device("meta") if meta else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def model_to_device(self) -> None:
+        self._backend.model_to_device()
+
+    def _through_root(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        # Route step methods through the root module's __call__ so FSDP2's root hooks (all-gather of the
+        # root's own parameters, backward prefetch set-up) fire even if the step never calls `self(...)`.
+        assert self.model is not None and self.lightning_module is not None
+        return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+
+    def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self._runner is None:
+            if method == "training_step" and self._tokens is not None:
+                self._step_tokens = self._tokens.add(args[0] if args else next(iter(kwargs.values())))
+            return self._through_root(method, *args, **kwargs)
+        if kwargs:
+            args = (*args, *kwargs.values())  # e.g. dataloader_idx
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches if method == "training_step" else 1
+        return self._runner.run(method, args[0], tuple(args[1:]), accumulate=accumulate)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._step("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._step("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._step("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._step("predict_step", *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        return self._backend.backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        return self._backend.optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._runner is not None:
+            # Before the first step: every training batch must split into microbatches; the configured count must
+            # divide the regular batch, and an epoch's short last batch needs a count the schedule takes.
+            for size, last in train_batch_sizes(self.lightning_module.trainer):
+                if size % self.pipeline.microbatches:
+                    raise ValueError(
+                        f"Batch size {size} is not divisible by pipeline_microbatches={self.pipeline.microbatches}. Use a"
+                        f" batch size that is a multiple of {self.pipeline.microbatches}, or change the microbatches."
+                    )
+                if last:
+                    self._runner.microbatches_for(last, training=True)
+
+    @property
+    def pipeline_runner(self) -> PipelineRunner | None:
+        return self._backend.runner
+
+    @property
+    def _runner(self) -> PipelineRunner | None:
+        return self._backend.runner
+
+    @property
+    def engine(self) -> Any:
+        """The DeepSpeed engine with sharding_backend='deepspeed' (after setup), else None."""
+        return self._backend.engine
+
+    @property
+    def sharding_backend(self) -> ShardingBackend:
+        return self._backend
+
+    @property
+    def packings(self) -> dict[str, Packing]:
+        """Fused parameters split per piece under tensor parallelism: name -> layout (see tensor_parallel.packing)."""
+        return dict(self._backend.parallelized.packings)
+
+    @property
+    def tied_aliases(self) -> dict[str, str]:
+        """Copies of tied weights on pipeline stages: local name -> the name one process gives the weight."""
+        return self._aliases()
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        with no_gradient_sync(self._backend.parallelized.fsdp_roots):
+            yield None
+
+    # ----------------------------------------------------------------- checkpoints
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's state dict, sharded (DTensors; only its pipeline stage's entries), as hooks such as
+        ``on_save_checkpoint`` see it. Nothing is gathered; ``save_checkpoint`` writes the shards itself."""
+        assert self.model is not None
+        return get_model_state_dict(self.model)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return {}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in `load_checkpoint`, where the sharded model is at hand
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in `load_checkpoint`
+
+    def _aliases(self) -> dict[str, str]:
+        return self._backend.aliases()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
+        path = Path(self.broadcast(str(filepath)))
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        meta["llmpar_layout"] = str(self.layout)
+        # Lightning leaves optimizer state out of weights-only checkpoints (ModelCheckpoint(save_weights_only=True)).
+        meta["llmpar_optimizer_state"] = "optimizer_states" in checkpoint
+        ckpt.write_atomically(
+            path, lambda staging: self._backend.write_checkpoint(staging, meta), is_rank_zero=self.is_global_zero,
+            barrier=self.barrier,
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        return self._backend.load_checkpoint(Path(self.broadcast(str(checkpoint_path))), weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()

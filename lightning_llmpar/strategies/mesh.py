@@ -1,0 +1,138 @@
+"""The processes under LLMParallelStrategy: launch, process group, device mesh, collectives."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
+
+from lightning_llmpar.layout import ParallelLayout
+
+__all__ = ["MeshStrategy"]
+
+
+class MeshStrategy(ParallelStrategy):
+    """Processes started by Lightning's launchers (or torchrun / SLURM), one process group, one device mesh built
+    from the layout; subclasses say how the layout is built (``_build_layout``)."""
+
+    _start_method: str
+    _process_group_backend: str | None
+    _timeout: timedelta | None
+    _layout: ParallelLayout | None
+    _device_mesh: DeviceMesh | None
+    _dp_mesh: DeviceMesh | None
+
+    def _build_layout(self, world_size: int) -> ParallelLayout:
+        raise NotImplementedError
+
+    @property
+    def layout(self) -> ParallelLayout:
+        if self._layout is None:
+            self._layout = self._build_layout(self.num_nodes * self.num_processes)
+        return self._layout
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists only after the processes have been initialized.")
+        return self._device_mesh
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning only syncs `self.log(sync_dist=True)` and adds a DistributedSampler when this is True.
+        return True
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Validate the degrees against the world size here, at Trainer construction, before any
+        # process is launched or any process group is created.
+        self._layout = self._build_layout(self.num_nodes * self.num_processes)
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._layout = self._build_layout(self.world_size)
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        self._device_mesh, self._dp_mesh = self.layout.build_mesh(self.root_device.type)
+        assert self.lightning_module is not None
+        # Lets `LightningModule.configure_model()` and `self.device_mesh` see the mesh, as in Lightning.
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+

@@ -1,0 +1,141 @@
+"""LLMParallelStrategy's keyword arguments, validated at construction, before any process is launched."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from lightning_llmpar.checkpointing.hf import check_hf_directory
+from lightning_llmpar.checkpointing.litgpt import check_litgpt_directory
+from lightning_llmpar.data_parallel.compression.methods import CompressionConfig
+from lightning_llmpar.layout import ZERO_STAGES
+from lightning_llmpar.pipeline.setup import PipelineConfig
+from lightning_llmpar.training.loss_normalization import count_target_tokens
+
+__all__ = ["START_METHODS", "BACKENDS", "StrategyOptions", "validate_options"]
+
+START_METHODS = Literal["popen", "spawn", "fork", "forkserver"]
+BACKENDS = Literal["fsdp2", "deepspeed"]
+
+
+@dataclass
+class StrategyOptions:
+    """Everything the strategy was given, checked and normalized."""
+
+    degrees: dict[str, Any]
+    pipeline: PipelineConfig
+    backend: str
+    compression: CompressionConfig | None
+    deepspeed: dict[str, Any] = field(default_factory=dict)
+    hf_checkpoint: str | None = None
+    litgpt_checkpoint: str | None = None
+    block_stack: str | None = None
+    pipeline_check: bool = True
+    count_tokens: Callable[[Any], int] | None = None
+
+
+def positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
+    if allow_auto and value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        extra = " or 'auto'" if allow_auto else ""
+        raise ValueError(f"LLMParallelStrategy: `{name}` must be a positive integer{extra}, got {value!r}.")
+
+
+def _check_degrees(a: dict[str, Any]) -> None:
+    positive_int("tensor_parallel", a["tensor_parallel"])
+    positive_int("pipeline_parallel", a["pipeline_parallel"])
+    positive_int("data_parallel", a["data_parallel"], allow_auto=True)
+    if a["data_parallel_replicate"] != "num_nodes":
+        positive_int("data_parallel_replicate", a["data_parallel_replicate"], allow_auto=True)
+    if a["zero_stage"] not in ZERO_STAGES:
+        raise ValueError(f"LLMParallelStrategy: `zero_stage` must be one of {ZERO_STAGES}, got {a['zero_stage']!r}.")
+    for name in ("sequence_parallel", "cpu_offload", "pipeline_check"):
+        if not isinstance(a[name], bool):
+            raise ValueError(f"LLMParallelStrategy: `{name}` must be True or False, got {a[name]!r}.")
+    if a["cpu_offload"] and a["zero_stage"] == 0:
+        raise ValueError(
+            "LLMParallelStrategy: cpu_offload=True needs sharded state to offload; set zero_stage to 1, 2 or 3."
+        )
+
+
+def _check_pipeline(a: dict[str, Any]) -> PipelineConfig:
+    if a["pipeline_parallel"] == 1:
+        # Options of a pipeline that does not exist would be silently ignored.
+        given = {
+            "pipeline_schedule": a["pipeline_schedule"] if a["pipeline_schedule"] != "Interleaved1F1B" else None,
+            "pipeline_microbatches": a["pipeline_microbatches"],
+            "pipeline_virtual_stages": a["pipeline_virtual_stages"],
+            "pipeline_split_points": a["pipeline_split_points"],
+        }
+        given = {k: v for k, v in given.items() if v is not None}
+        if given:
+            raise ValueError(
+                f"LLMParallelStrategy: {', '.join(f'{k}={v!r}' for k, v in given.items())} configure pipeline"
+                " parallelism, but pipeline_parallel=1. Set pipeline_parallel > 1 or remove them."
+            )
+    return PipelineConfig.validated(
+        a["pipeline_parallel"], a["pipeline_schedule"], a["pipeline_microbatches"], a["pipeline_virtual_stages"],
+        a["pipeline_split_points"], a["zero_stage"],
+    )
+
+
+def _check_backend(a: dict[str, Any]) -> tuple[dict[str, Any], CompressionConfig | None]:
+    backend, compression = a["sharding_backend"], a["gradient_compression"]
+    if backend not in get_args(BACKENDS):
+        raise ValueError(f"`sharding_backend` must be one of {get_args(BACKENDS)}, got {backend!r}.")
+    deepspeed = {k: a[k] for k in ("deepspeed_config", "offload_optimizer", "offload_parameters", "gradient_compression")}
+    if backend == "fsdp2":
+        given = sorted(k for k, v in deepspeed.items() if v is not None and k != "gradient_compression")
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} apply to sharding_backend='deepspeed' only. With the default 'fsdp2'"
+                " backend use cpu_offload=True for offloading."
+            )
+        if compression is None:
+            return deepspeed, None
+        config = CompressionConfig.from_user(compression)
+        zero = a["zero_stage"]
+        config.check_layout(zero, hybrid=zero > 0 and a["data_parallel_replicate"] not in ("auto", 1))
+        return deepspeed, config
+    if compression is not None and not isinstance(compression, str):
+        raise ValueError(
+            f"gradient_compression={compression!r} configures the 'fsdp2' backend's compressors; with"
+            " sharding_backend='deepspeed' use 'onebit_adam' or 'zero_one_adam'."
+        )
+    if a["loss_normalization"] != "mean":
+        raise ValueError(
+            "loss_normalization='tokens' rescales gradients before the optimizer step, which the DeepSpeed engine"
+            " takes itself; use it with sharding_backend='fsdp2' (the default)."
+        )
+    return deepspeed, None
+
+
+def validate_options(a: dict[str, Any]) -> StrategyOptions:
+    """Check the strategy's keyword arguments ``a`` (names as in ``LLMParallelStrategy.__init__``)."""
+    _check_degrees(a)
+    pipeline = _check_pipeline(a)
+    deepspeed, compression = _check_backend(a)
+    hf = str(check_hf_directory(a["hf_checkpoint"])) if a["hf_checkpoint"] is not None else None
+    litgpt = str(check_litgpt_directory(a["litgpt_checkpoint"])) if a["litgpt_checkpoint"] is not None else None
+    if hf is not None and litgpt is not None:
+        raise ValueError("Give hf_checkpoint or litgpt_checkpoint, not both: they fill the same weights.")
+    stack = a["block_stack"]
+    if stack is not None and not isinstance(stack, str):
+        raise ValueError(f"LLMParallelStrategy: `block_stack` must be a module name such as 'model.layers', got {stack!r}.")
+    norm = a["loss_normalization"]
+    if not (callable(norm) or norm in ("mean", "tokens")):
+        raise ValueError(
+            f"LLMParallelStrategy: `loss_normalization` must be 'mean', 'tokens' or a callable(batch) -> token count,"
+            f" got {norm!r}."
+        )
+    if a["start_method"] not in get_args(START_METHODS):
+        raise ValueError(f"`start_method` must be one of {get_args(START_METHODS)}, got {a['start_method']!r}.")
+    if a["tp_plan"] is not None and not isinstance(a["tp_plan"], Mapping):
+        raise ValueError(f"`tp_plan` must map module-name patterns to style names, got {type(a['tp_plan']).__name__}.")
+    degrees = {k: a[k] for k in ("tensor_parallel", "pipeline_parallel", "data_parallel", "data_parallel_replicate",
+                                 "zero_stage")}
+    count = None if norm == "mean" else count_target_tokens if norm == "tokens" else norm
+    return StrategyOptions(degrees, pipeline, a["sharding_backend"], compression, deepspeed, hf, litgpt, stack,
+                           a["pipeline_check"], count)

@@ -1,0 +1,104 @@
+"""What a tensor-parallel plan holds, the style names an explicit ``tp_plan`` may use, and shared helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
+
+from lightning_llmpar.tensor_parallel.packing import Packing
+from lightning_llmpar.tensor_parallel.styles import (
+    TOKEN,
+    PrepareFirstInput,
+    ReplicatedOnShards,
+    ShardedNorm,
+    SplitLinear,
+    is_conv1d,
+)
+
+__all__ = ["TPPlan", "TP_STYLES", "PlanEntry", "user_style"]
+
+PlanEntry = ParallelStyle | None  # None: leave the module replicated
+
+
+@dataclass
+class TPPlan:
+    """Styles per module (``name#tag`` when one module gets several), plus what the styles imply:
+    ``packings`` (parameter name -> fused layout), ``local_counts`` (module -> head-count attributes to
+    set per rank), and whether sequence parallelism stayed on."""
+
+    styles: dict[str, PlanEntry] = field(default_factory=dict)
+    packings: dict[str, Packing] = field(default_factory=dict)
+    local_counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    sequence_parallel: bool = False
+    notes: list[str] = field(default_factory=list)
+    # Modules whose activations differ per rank, up to their row-split projections: their dropout runs on a
+    # per-rank random stream (see tensor_parallel.rng).
+    rank_streams: dict[str, list[str]] = field(default_factory=dict)
+
+
+def user_style(spec: Any, module: nn.Module, tp: int, name: str, pattern: str) -> tuple[PlanEntry, Packing | None]:
+    """An explicit tp_plan value: a style name, or ``{"style": ..., "sizes": [...], "dim": d}`` for a fused
+    projection whose pieces (in order, along ``dim``) each split over the ranks."""
+    if isinstance(spec, Mapping):
+        style = spec.get("style", "colwise")
+        sizes = spec.get("sizes")
+        if style not in ("colwise", "packed_colwise") or not sizes:
+            raise ValueError(
+                f"tp_plan entry for '{name}' = {dict(spec)!r}: a dict entry describes a fused projection, e.g."
+                " {'style': 'colwise', 'sizes': [q_rows, k_rows, v_rows]} (add 'dim': 1 for a weight stored (in, out))."
+            )
+        dim = int(spec.get("dim", 1 if is_conv1d(module) else 0))
+        packing = Packing(dim, tuple(int(s) for s in sizes), tp)
+        if packing.total != module.weight.shape[dim]:
+            raise ValueError(
+                f"tp_plan['{name}'] sizes {list(sizes)} add up to {packing.total}, but the weight has"
+                f" {module.weight.shape[dim]} along dim {dim}."
+            )
+        return SplitLinear("col", packing=packing), packing
+    if spec not in TP_STYLES:
+        raise ValueError(f"tp_plan[{pattern!r}] = {spec!r} is not a known style. Use one of {sorted(TP_STYLES)}.")
+    return TP_STYLES[spec](), None
+
+
+# Styles an explicit plan can name (Python or YAML); transformers' names are accepted too.
+TP_STYLES: dict[str, Any] = {
+    "colwise": lambda: SplitLinear("col"),
+    "colwise_gather": lambda: SplitLinear("col", output=Replicate()),
+    "colwise_gather_output": lambda: SplitLinear("col", output=Replicate()),
+    "rowwise": lambda: SplitLinear("row"),
+    "rowwise_split_input": lambda: SplitLinear("row", input=Replicate()),
+    "rowwise_sequence": lambda: SplitLinear("row", output=TOKEN),
+    "embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    "sequence_parallel": lambda: ReplicatedOnShards(2),
+    "replicated_with_grad_allreduce": lambda: ReplicatedOnShards(2),
+    "sharded_norm": lambda: ShardedNorm(),
+    "prepare_sequence": lambda: PrepareFirstInput(TOKEN, Replicate()),
+    "replicate": lambda: None,
+}
+
+
+class SequenceParallelUnfit(Exception):
+    """This model cannot run with sequence-sharded activations inside its blocks; the plan is redone without."""
+
+
+def join(prefix: str, name: str) -> str:
+    if not name:
+        return prefix
+    return f"{prefix}.{name}" if prefix else name
+
+
+def linear_like(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower() and not any(True for _ in module.children())
+
+
+def has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))

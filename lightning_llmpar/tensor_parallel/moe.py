@@ -1,0 +1,95 @@
+"""Tensor-parallel plans for mixture-of-experts layers: fused 3-D expert weights (transformers) and lists of
+expert MLPs (LitGPT, Megatron-style), split along each expert's FFN width; routers stay whole."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+
+from lightning_llmpar.tensor_parallel.entries import PlanEntry, TPPlan
+from lightning_llmpar.tensor_parallel.entries import join as _join
+from lightning_llmpar.tensor_parallel.entries import linear_like as _linear_like
+from lightning_llmpar.tensor_parallel.packing import Packing
+from lightning_llmpar.tensor_parallel.styles import TOKEN, GatherFirstOutput, PrepareFirstInput, SplitExperts
+
+__all__ = ["MoEPlanning", "fused_experts"]
+
+
+class MoEPlanning:
+    """The MoE part of the planner (mixed into it): needs ``tp``, ``seq``, ``result``, ``_add`` and
+    ``_name_roles`` from it."""
+
+    tp: int
+    seq: bool
+    result: TPPlan
+    _moe_parents: set[str]
+    _expert_modules: set[str]
+
+    def _add(self, name: str, style: PlanEntry, covered: set[str]) -> None:
+        raise NotImplementedError
+
+    def _name_roles(self, children: dict[str, nn.Module]) -> dict[str, str]:
+        raise NotImplementedError
+
+    def _is_expert_list(self, module: nn.Module) -> bool:
+        """A ModuleList of identical MLP modules (LitGPT's LLaMAMoE experts, Megatron-style expert lists)."""
+        if not isinstance(module, nn.ModuleList) or len(module) < 2 or len({type(m) for m in module}) != 1:
+            return False
+        linears = {n: c for n, c in module[0].named_children() if _linear_like(c)}
+        roles = set(self._name_roles(linears).values())
+        return bool(roles & {"col", "gate_up"}) and "row" in roles
+
+    def _plan_expert_list(self, full: str, moe: nn.Module, expert_list: str, covered: set[str]) -> None:
+        """A MoE layer whose experts are MLP modules: each expert is split like an MLP (its output all-reduced,
+        since the layer combines it with routing weights); the layer takes the full sequence; routers stay whole
+        (the experts' outputs are complete, so is their gradient)."""
+        experts = moe.get_submodule(expert_list)
+        self._moe_parents.add(full)
+        self._expert_modules.update(_join(full, f"{expert_list}.{i}") for i in range(len(experts)))
+        for n, child in moe.named_children():
+            params = list(child.parameters())
+            if n != expert_list and len(params) == 1 and params[0].dim() == 2 and params[0].shape[0] == len(experts):
+                covered.add(_join(full, n))
+        if self.seq:
+            self._add(full + "#in", PrepareFirstInput(TOKEN, Replicate()), covered)
+            self._add(full + "#out", GatherFirstOutput(Replicate(), TOKEN), covered)
+        covered.update([full, _join(full, expert_list)])
+
+    def _plan_moe(self, full: str, moe: nn.Module, experts: list[str], covered: set[str]) -> None:
+        num_experts = {p.shape[0] for n in experts for p in moe.get_submodule(n).parameters(recurse=False)}
+        for n, child in moe.named_children():
+            params = list(child.parameters())
+            if n not in experts and len(params) == 1 and params[0].dim() == 2 and params[0].shape[0] in num_experts:
+                # The router stays whole: the experts' inputs (tokens, routing weights) sum their gradients over
+                # ranks, so it receives the full gradient.
+                covered.add(_join(full, n))
+        for n in experts:
+            name = _join(full, n)
+            module = moe.get_submodule(n)
+            params = {}
+            for pname, p in module.named_parameters(recurse=False):
+                if p.dim() != 3:
+                    raise ValueError(f"MoE experts '{name}': parameter '{pname}' is not a 3-D (experts, out, in) weight.")
+                if "down" in pname or pname == "w2":
+                    params[pname] = (2, None)
+                else:
+                    packing = Packing(1, (p.shape[1] // 2, p.shape[1] // 2), self.tp) if "gate_up" in pname or pname == "w13" else None
+                    params[pname] = (1, packing)
+                    if packing is not None:
+                        self.result.packings[_join(name, pname)] = packing
+                if p.shape[params[pname][0]] % self.tp:
+                    raise ValueError(
+                        f"MoE experts '{name}.{pname}' has FFN width {p.shape[params[pname][0]]}, not divisible by"
+                        f" tensor_parallel({self.tp})."
+                    )
+            self._add(name, SplitExperts(params), covered)
+        if self.seq:
+            self._add(full + "#in", PrepareFirstInput(TOKEN, Replicate()), covered)
+            self._add(full + "#out", GatherFirstOutput(Replicate(), TOKEN), covered)
+        covered.add(full)
+
+
+def fused_experts(module: nn.Module) -> bool:
+    """transformers-style fused experts: 3-D expert weights such as gate_up_proj (E, 2I, H), down_proj (E, H, I)."""
+    params = dict(module.named_parameters(recurse=False))
+    return len(params) >= 2 and all(p.dim() == 3 for p in params.values()) and any("down" in n or n == "w2" for n in params)

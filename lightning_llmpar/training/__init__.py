@@ -1,0 +1,1 @@
+"""Pieces of one training step shared by every layout: batches, loss normalization, global-norm clipping."""

@@ -1,0 +1,94 @@
+"""Checkpoints written under one layout resume under another and continue exactly like an uninterrupted run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_llmpar import export_consolidated
+from lightning_llmpar.checkpointing.dcp import is_checkpoint
+from tests.distributed import run_ranks
+from tests.workloads import fit, make_gpt
+
+GLOBAL_BATCH, SAMPLES = 16, 80  # 5 steps per epoch: the checkpoint falls on an epoch boundary
+
+
+def _fit(world: int, kwargs: dict[str, Any] | None, **fit_kwargs: Any) -> list[dict[str, Any]]:
+    tp = (kwargs or {}).get("tensor_parallel", 1)
+    return run_ranks(fit, world, "gpt", kwargs, batch_size=GLOBAL_BATCH // (world // tp), samples=SAMPLES, **fit_kwargs)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> dict[str, Any]:
+    return _fit(1, None, steps=10)[0]
+
+
+@pytest.fixture(scope="module")
+def plain_resume(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Single-device Lightning saving after epoch 0 and resuming from its own checkpoint file.
+
+    Lightning's loops decide which batches follow a resume; matching this run shows our checkpoint
+    restores every piece of state Lightning's own does (weights, optimizer, scheduler, loops).
+    """
+    path = tmp_path_factory.mktemp("plain") / "epoch0.ckpt"
+    _fit(1, None, steps=-1, epochs=1, save_to=str(path))
+    return _fit(1, None, steps=10, ckpt_path=str(path))[0]
+
+
+@pytest.fixture(scope="module")
+def saved_tp2_dp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    path = tmp_path_factory.mktemp("ckpt") / "epoch0.ckpt"
+    outs = _fit(4, {"tensor_parallel": 2, "zero_stage": 3}, steps=-1, epochs=1, save_to=str(path))
+    return path, outs
+
+
+def test_checkpoint_is_complete_and_atomic(saved_tp2_dp2: tuple[Path, list[dict[str, Any]]]) -> None:
+    path, _ = saved_tp2_dp2
+    assert is_checkpoint(path)
+    assert not any(p.name.endswith(".partial") for p in path.parent.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("world", "kwargs"),
+    [
+        pytest.param(2, {"zero_stage": 1}, id="to-dp2"),
+        pytest.param(1, {}, id="to-one-process"),
+        pytest.param(2, {"tensor_parallel": 2}, id="to-tp2"),
+    ],
+)
+def test_resume_in_another_layout_continues_exactly(
+    saved_tp2_dp2: tuple[Path, list[dict[str, Any]]],
+    uninterrupted: dict[str, Any],
+    plain_resume: dict[str, Any],
+    world: int,
+    kwargs: dict[str, Any],
+) -> None:
+    path, first_half = saved_tp2_dp2
+    outs = _fit(world, kwargs, steps=10, ckpt_path=str(path))
+    for i in range(5):
+        before = sum(o["losses"][i] for o in first_half) / len(first_half)
+        assert abs(before - uninterrupted["losses"][i]) < 1e-5
+    assert all(len(o["losses"]) == 5 for o in outs), "resume must continue at step 5, not restart"
+    # The first step after resume uses only the restored weights: it equals the uninterrupted run.
+    first = sum(o["losses"][0] for o in outs) / len(outs)
+    assert abs(first - uninterrupted["losses"][5]) < 1e-5
+    for i in range(5):
+        after = sum(o["losses"][i] for o in outs) / len(outs)
+        assert abs(after - plain_resume["losses"][i]) < 1e-5, f"step {5 + i}: {after} vs {plain_resume['losses'][i]}"
+    for name, param in plain_resume["params"].items():
+        torch.testing.assert_close(outs[0]["params"][name], param, atol=5e-4, rtol=0)
+
+
+def test_export_consolidated_loads_into_a_plain_module(
+    saved_tp2_dp2: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    path, outs = saved_tp2_dp2
+    out_file = export_consolidated(path, tmp_path / "model.pt")
+    state = torch.load(out_file, weights_only=True)
+    module = make_gpt()
+    module.load_state_dict(state, strict=True)
+    for name, param in module.named_parameters():
+        torch.testing.assert_close(param.detach(), outs[0]["params"][name], atol=0, rtol=0)

@@ -1,0 +1,115 @@
+"""sharding_backend='deepspeed': ZeRO 1/2/3 and CPU offload against one process, config merging, save/resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+from lightning_llmpar import LLMParallelStrategy, export_consolidated  # noqa: E402
+from lightning_llmpar.data_parallel.deepspeed_config import build_deepspeed_config  # noqa: E402
+from tests.distributed import run_ranks  # noqa: E402
+from tests.test_parity import GLOBAL_BATCH, assert_parity, reference_for  # noqa: E402
+from tests.workloads import fit, make_gpt  # noqa: E402
+
+DS = {"sharding_backend": "deepspeed"}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({"zero_stage": 1}, id="zero1"),
+        pytest.param({"zero_stage": 2}, id="zero2"),
+        pytest.param({"zero_stage": 3}, id="zero3"),
+        pytest.param({"zero_stage": 2, "offload_optimizer": "cpu"}, id="zero2-offload-optimizer"),
+        pytest.param({"zero_stage": 3, "offload_optimizer": "cpu", "offload_parameters": "cpu"}, id="zero3-offload-all"),
+    ],
+)
+def test_deepspeed_zero_matches_single_process(kwargs: dict[str, Any]) -> None:
+    outs = run_ranks(fit, 2, "gpt", {**DS, **kwargs}, batch_size=GLOBAL_BATCH // 2)
+    assert_parity(reference_for("gpt"), outs, 2)
+
+
+def test_deepspeed_accumulation_and_clipping() -> None:
+    ref = reference_for("gpt", accumulate=2, clip=0.1, sgd=True)
+    outs = run_ranks(fit, 2, "gpt", {**DS, "zero_stage": 2}, batch_size=GLOBAL_BATCH // 2, accumulate=2, clip=0.1, sgd=True)
+    assert_parity(ref, outs, 2)
+
+
+def test_deepspeed_checkpoint_resumes_and_exports(tmp_path: Path) -> None:
+    samples = 80  # 5 steps an epoch: save at the epoch boundary
+    run = lambda world, kw, **k: run_ranks(fit, world, "gpt", kw, batch_size=GLOBAL_BATCH // world, samples=samples, **k)  # noqa: E731
+    plain_path = tmp_path / "plain.ckpt"
+    run(1, None, steps=-1, epochs=1, save_to=str(plain_path))
+    plain = run(1, None, steps=10, ckpt_path=str(plain_path))[0]
+    path = tmp_path / "ds.ckpt"
+    first = run(2, {**DS, "zero_stage": 3}, steps=-1, epochs=1, save_to=str(path))
+    assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
+    resumed = run(2, {**DS, "zero_stage": 3}, steps=10, ckpt_path=str(path))
+    for i in range(5):
+        loss = sum(o["losses"][i] for o in resumed) / 2
+        assert abs(loss - plain["losses"][i]) < 1e-5, (i, loss, plain["losses"][i])
+    for name, param in plain["params"].items():
+        torch.testing.assert_close(resumed[0]["params"][name], param, atol=5e-4, rtol=0)
+    weights = torch.load(export_consolidated(path, tmp_path / "model.pt"), weights_only=True)
+    module = make_gpt()
+    module.load_state_dict(weights, strict=True)
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(p.detach(), first[0]["params"][name], atol=0, rtol=0)
+
+
+def test_user_config_is_merged() -> None:
+    user = {"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 1000}, "wall_clock_breakdown": False}
+    config = build_deepspeed_config(zero_stage=2, user_config=user, offload_optimizer="cpu", gradient_clipping=1.0, accumulate=4)
+    assert config["zero_optimization"]["overlap_comm"] is True
+    assert config["zero_optimization"]["reduce_bucket_size"] == 1000
+    assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert config["gradient_clipping"] == 1.0 and config["gradient_accumulation_steps"] == 4
+    assert config["wall_clock_breakdown"] is False
+    # Buckets never exceed the model; the user's own bucket size wins.
+    sized = build_deepspeed_config(zero_stage=3, num_params=25_000_000, user_config={"zero_optimization": {"reduce_bucket_size": 7}})
+    assert sized["zero_optimization"]["allgather_bucket_size"] == 25_000_000
+    assert sized["zero_optimization"]["stage3_prefetch_bucket_size"] == 25_000_000
+    assert sized["zero_optimization"]["reduce_bucket_size"] == 7
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"zero_stage": 3, "deepspeed_config": {"zero_optimization": {"stage": 2}}},
+         r"config sets zero_optimization.stage = 2 but the strategy asks for 3"),
+        ({"zero_stage": 2, "offload_optimizer": "cpu",
+          "deepspeed_config": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}},
+         r"offloads offload_optimizer to 'nvme' but the strategy asks for 'cpu'"),
+        ({"zero_stage": 2, "offload_parameters": "cpu"}, r"Offloading param needs zero_stage >= 3"),
+        ({"zero_stage": 2, "deepspeed_config": {"bf16": {"enabled": True}}}, r"enables bf16; precision comes from the Trainer"),
+        ({"zero_stage": 2, "deepspeed_config": {"gradient_accumulation_steps": 4}}, r"use Trainer\(accumulate_grad_batches=...\)"),
+        ({"zero_stage": 2, "deepspeed_config": "/no/such/file.json"}, r"neither a dict nor an existing JSON file"),
+        ({"tensor_parallel": 2}, r"tensor_parallel=2 and pipeline_parallel=1 need sharding_backend='fsdp2'"),
+        ({"zero_stage": 3, "cpu_offload": True}, r"use offload_optimizer='cpu'"),
+        ({"gradient_compression": "topk"}, r"gradient_compression='topk' is not available with sharding_backend='deepspeed'"),
+    ],
+)
+def test_contradictions_and_unsupported_layouts_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LLMParallelStrategy(**DS, **kwargs)
+
+
+def test_options_of_the_other_backend_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"offload_optimizer apply to sharding_backend='deepspeed' only"):
+        LLMParallelStrategy(zero_stage=2, offload_optimizer="cpu")
+    with pytest.raises(ValueError, match=r"`sharding_backend` must be one of \('fsdp2', 'deepspeed'\)"):
+        LLMParallelStrategy(sharding_backend="megatron")
+
+
+def test_config_from_a_json_file(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 1, "allgather_bucket_size": 123}}')
+    config = build_deepspeed_config(zero_stage=1, user_config=str(path))
+    assert config["zero_optimization"] == {"stage": 1, "allgather_bucket_size": 123}
+    strategy = LLMParallelStrategy(**DS, zero_stage=1, deepspeed_config=str(path))
+    assert type(strategy) is LLMParallelStrategy and strategy.sharding_backend.name == "deepspeed"

@@ -1,0 +1,88 @@
+"""Models outside the Llama mould: block stacks of containers, forwards that zip per-layer lists with the blocks,
+forwards that break the pipeline's assumptions (refused before work), and a LitGPT checkpoint read per rank.
+
+All cases of one world size run inside one launch of the ranks; each one-process reference runs once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.distributed import run_ranks
+from tests.zoo import assert_exact, fit_cases, save_litgpt
+
+HAS_LITGPT = importlib.util.find_spec("litgpt") is not None
+BATCH = 8
+PP2 = {"pipeline_parallel": 2}
+
+# (model, strategy kwargs): exact vs one process.
+EXACT = [
+    *[("containers", {"zero_stage": z}) for z in (0, 1, 2, 3)],  # FSDP2 units: the containers' children
+    ("containers", {"tensor_parallel": 2}),
+    ("zipped", PP2),  # blocks paired with a per-layer list by position
+    ("zipped", {**PP2, "block_stack": "layers"}),
+    ("zipped", {"tensor_parallel": 2}),
+]
+# (model, strategy kwargs, words the ValueError must contain): refused before the first step.
+REFUSED = [
+    ("containers", PP2, ["containers without a forward", "block_stack="]),
+    ("reuses_embedding", PP2, ["stage 1", "computes something else", "pipeline_split_points"]),
+    ("unchained", PP2, ["stage 1", "block_stack="]),
+    ("zipped", {**PP2, "block_stack": "nope"}, ["block_stack='nope'", "names no module"]),
+    ("zipped", {**PP2, "block_stack": "head"}, ["block_stack='head'", "nn.ModuleList"]),
+]
+
+
+def _per_rank(kwargs: dict[str, Any]) -> int:
+    return BATCH * kwargs.get("tensor_parallel", 1) * kwargs.get("pipeline_parallel", 1) // 2
+
+
+@pytest.fixture(scope="module")
+def litgpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
+    if not HAS_LITGPT:
+        return None
+    out = tmp_path_factory.mktemp("litgpt") / "ckpt"
+    save_litgpt("litgpt_qwen3", str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(litgpt_dir: Path | None) -> tuple[dict, dict]:
+    refs = [("containers", None, BATCH), ("zipped", None, BATCH)]
+    cases = [(m, kw, _per_rank(kw)) for m, kw in EXACT] + [(m, kw, _per_rank(kw)) for m, kw, _ in REFUSED]
+    if litgpt_dir is not None:
+        # A LitGPT checkpoint (fused qkv, q/k norms) read per rank into a model built on the meta device.
+        refs.append(("litgpt_qwen3", None, BATCH, {"litgpt_pretrained": str(litgpt_dir), "tag": "ckpt-ref"}))
+        for tag, kw in (("ckpt-tp2", {"tensor_parallel": 2}), ("ckpt-pp2", PP2)):
+            cases.append(("litgpt_qwen3", kw, _per_rank(kw), {"litgpt_pretrained": str(litgpt_dir), "meta": True, "tag": tag}))
+    reference = run_ranks(fit_cases, 1, refs, timeout=600)[0]
+    return reference, run_ranks(fit_cases, 2, cases, timeout=1200)
+
+
+@pytest.mark.parametrize(("model", "kwargs"), EXACT, ids=[f"{m}-{kw}" for m, kw in EXACT])
+def test_exact_vs_one_process(model: str, kwargs: dict[str, Any], runs: tuple[dict, dict]) -> None:
+    reference, outs = runs
+    sharded = kwargs.get("zero_stage", 3) >= 2 or kwargs.get("tensor_parallel", 1) > 1 or "pipeline_parallel" in kwargs
+    assert_exact(reference[(model, "None")], [o[(model, repr(kwargs))] for o in outs], sharded=sharded)
+
+
+@pytest.mark.parametrize(("model", "kwargs", "words"), REFUSED, ids=[f"{m}-{kw}" for m, kw, _ in REFUSED])
+def test_refused_before_work(model: str, kwargs: dict[str, Any], words: list[str], runs: tuple[dict, dict]) -> None:
+    for out in runs[1]:
+        error = out[(model, repr(kwargs))].get("error", "")
+        message = error.strip().splitlines()[-1] if error else "(trained without an error)"
+        assert message.startswith("ValueError"), message
+        for word in words:
+            assert word in message, message
+        assert "llm_parallel.py\", line" in error and ", in setup\n" in error, "raised while setting up, before any step"
+
+
+@pytest.mark.skipif(not HAS_LITGPT, reason="litgpt is not installed (pip install --no-deps litgpt)")
+@pytest.mark.parametrize("tag", ["ckpt-tp2", "ckpt-pp2"])
+def test_litgpt_checkpoint_loads_per_rank(tag: str, runs: tuple[dict, dict]) -> None:
+    reference, outs = runs
+    assert_exact(reference[("litgpt_qwen3", "ckpt-ref")], [o[("litgpt_qwen3", tag)] for o in outs])
