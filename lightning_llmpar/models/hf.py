@@ -11,20 +11,18 @@ checkpoint of that config (config.json + safetensors), offline, to try the workf
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_llmpar.models.schedule import adamw_warmup_cosine
+from lightning_llmpar.models.finetune import FineTuneModule, random_checkpoint_command
 
 __all__ = ["HFCausalLM", "write_random_checkpoint"]
 
 
-class HFCausalLM(LightningModule):
+class HFCausalLM(FineTuneModule):
     """A transformers causal LM (``AutoModelForCausalLM``) built from ``model`` (a directory with config.json).
 
     Args:
@@ -65,20 +63,6 @@ class HFCausalLM(LightningModule):
         logits = self.model(input_ids=inputs).logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        loss = self._loss(batch)
-        self.log("val/loss", loss, sync_dist=True)
-        self.log("val/ppl", torch.exp(loss), sync_dist=True)
-
-    def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        return adamw_warmup_cosine(self.parameters(), hp.learning_rate, hp.warmup_steps, hp.total_steps,
-                                   weight_decay=hp.weight_decay)
 
 
 def write_random_checkpoint(config_dir: str, out_dir: str, seed: int = 0) -> None:
@@ -91,10 +75,4 @@ def write_random_checkpoint(config_dir: str, out_dir: str, seed: int = 0) -> Non
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=write_random_checkpoint.__doc__)
-    parser.add_argument("config_dir")
-    parser.add_argument("out_dir")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    write_random_checkpoint(args.config_dir, args.out_dir, args.seed)
-    print(f"wrote {args.out_dir}")
+    random_checkpoint_command(write_random_checkpoint)

@@ -7,8 +7,8 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from torchmetrics.text import Perplexity
 
+from lightning_llmpar.models.finetune import adamw_warmup_cosine
 from lightning_llmpar.models.gpt import GPT, GPTConfig
-from lightning_llmpar.models.schedule import adamw_warmup_cosine
 
 __all__ = ["GPTModule"]
 

@@ -11,22 +11,20 @@ of that config (lit_model.pth + model_config.yaml), offline.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_llmpar.models.schedule import adamw_warmup_cosine
+from lightning_llmpar.models.finetune import FineTuneModule, random_checkpoint_command
 
 __all__ = ["LitGPTModule", "write_random_litgpt_checkpoint"]
 
 
-class LitGPTModule(LightningModule):
+class LitGPTModule(FineTuneModule):
     """A LitGPT ``GPT`` built from ``model`` (a directory holding LitGPT's model_config.yaml)."""
 
     def __init__(
@@ -53,20 +51,6 @@ class LitGPTModule(LightningModule):
         logits = self.model(inputs)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100)
 
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        loss = self._loss(batch)
-        self.log("val/loss", loss, sync_dist=True)
-        self.log("val/ppl", torch.exp(loss), sync_dist=True)
-
-    def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        return adamw_warmup_cosine(self.parameters(), hp.learning_rate, hp.warmup_steps, hp.total_steps,
-                                   weight_decay=hp.weight_decay)
 
 
 def write_random_litgpt_checkpoint(config_dir: str, out_dir: str, seed: int = 0) -> None:
@@ -84,10 +68,4 @@ def write_random_litgpt_checkpoint(config_dir: str, out_dir: str, seed: int = 0)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=write_random_litgpt_checkpoint.__doc__)
-    parser.add_argument("config_dir")
-    parser.add_argument("out_dir")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    write_random_litgpt_checkpoint(args.config_dir, args.out_dir, args.seed)
-    print(f"wrote {args.out_dir}")
+    random_checkpoint_command(write_random_litgpt_checkpoint)
