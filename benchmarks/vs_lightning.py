@@ -1,0 +1,152 @@
+"""What users would pick instead, side by side: Lightning's DDPStrategy vs zero_stage=0, Lightning's FSDPStrategy and
+ModelParallelStrategy (with a user-written ``fully_shard``) vs zero_stage=3, on the example GPT at dp2.
+
+Every strategy runs inside the same launch of two gloo ranks, in interleaved rounds (A B C ... A B C ...), and
+the median seconds per step (after warm-up) of each is reported with its ratio to the Lightning counterpart
+(> 1: ours is faster). A strategy that fails on this machine is reported with its error.
+
+Run from the repository root:  python -m benchmarks.vs_lightning [--rounds 3] [--steps 12] [--warmup 4]
+Writes benchmarks/results/vs_lightning.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_llmpar.models import GPTModule
+from tests.distributed import run_ranks
+
+OUT = Path(__file__).parent / "results" / "vs_lightning.json"
+MODEL = dict(vocab_size=256, block_size=128, n_layer=6, n_head=6, n_kv_head=6, n_embd=384)
+BATCH = 4
+# (ours, theirs): ratio = theirs' seconds per step / ours.
+PAIRS = [("llmpar_zero0", "lightning_ddp"), ("llmpar_zero3", "lightning_fsdp"), ("llmpar_zero3", "lightning_model_parallel")]
+
+
+class _ShardedGPT(GPTModule):
+    """The example GPT as a ModelParallelStrategy user writes it: ``fully_shard`` per block, then the root."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+class _Tokens(LightningDataModule):
+    """Random token windows, each rank its own half (the same data for every strategy)."""
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(1234)
+        tokens = torch.randint(0, MODEL["vocab_size"], (512, MODEL["block_size"] + 1), generator=g)
+        data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        return DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, world, rank, shuffle=False))
+
+
+class _StepTimes(Callback):
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.times, self._start = warmup, [], 0.0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step > self.warmup:
+            self.times.append(time.perf_counter() - self._start)
+
+
+def _strategy(name: str) -> tuple[Any, type[GPTModule]]:
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    from lightning_llmpar import LLMParallelStrategy
+
+    if name == "llmpar_zero0":
+        return LLMParallelStrategy(zero_stage=0), GPTModule
+    if name == "llmpar_zero3":
+        return LLMParallelStrategy(zero_stage=3), GPTModule
+    if name == "lightning_ddp":
+        return DDPStrategy(), GPTModule
+    if name == "lightning_fsdp":
+        from lightning_llmpar.models.gpt import Block
+
+        return FSDPStrategy(auto_wrap_policy={Block}), GPTModule
+    if name == "lightning_model_parallel":
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), _ShardedGPT
+    raise ValueError(name)
+
+
+def _one_run(name: str, steps: int, warmup: int) -> float:
+    seed_everything(0, verbose=False)
+    strategy, cls = _strategy(name)
+    timer = _StepTimes(warmup)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[timer], use_distributed_sampler=False)
+    module = cls(**MODEL, learning_rate=1e-3, warmup_steps=2, total_steps=steps)
+    trainer.fit(module, datamodule=_Tokens())
+    return statistics.median(timer.times)
+
+
+def _rounds(names: list[str], rounds: int, steps: int, warmup: int) -> dict[str, Any]:
+    import traceback
+
+    env = dict(os.environ)
+    out: dict[str, Any] = {n: [] for n in names}
+    for _ in range(rounds):
+        for name in names:
+            os.environ.update(env)  # Lightning's teardown removes some of the launch variables
+            if isinstance(out[name], str):
+                continue
+            try:
+                out[name].append(_one_run(name, steps, warmup))
+            except Exception:  # noqa: BLE001 - a strategy that does not run here is reported, not fatal
+                out[name] = traceback.format_exc().strip().splitlines()[-1]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--only", default="", help="comma-separated names of ours to run (default: all pairs)")
+    args = parser.parse_args()
+    pairs_run = [p for p in PAIRS if not args.only or p[0] in args.only.split(",")]
+    names = sorted({n for pair in pairs_run for n in pair})
+    ranks = run_ranks(_rounds, 2, names, args.rounds, args.steps, args.warmup, timeout=3000)
+    runs = ranks[0]
+    seconds = {n: statistics.median(v) if isinstance(v, list) and v else v for n, v in runs.items()}
+    pairs = []
+    for ours, theirs in pairs_run:
+        ok = isinstance(seconds[ours], float) and isinstance(seconds[theirs], float)
+        pairs.append({"ours": ours, "theirs": theirs, "ratio_theirs_over_ours": seconds[theirs] / seconds[ours] if ok else None})
+    result = {
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                    "torch": torch.__version__},
+        "model": MODEL, "batch_per_rank": BATCH, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+        "seconds_per_step_median": seconds, "rounds_seconds": runs, "pairs": pairs,
+    }
+    out = OUT if not args.only else OUT.with_name(f"vs_lightning_{args.only.replace(',', '_')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    for pair in pairs:
+        print(pair)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
