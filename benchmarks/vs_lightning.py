@@ -58,15 +58,33 @@ class _Tokens(LightningDataModule):
 
 
 class _StepTimes(Callback):
-    def __init__(self, warmup: int) -> None:
-        self.warmup, self.times, self._start = warmup, [], 0.0
+    """Seconds per step after warm-up; with ``profile``, the ops that took the time in those steps."""
 
-    def on_train_batch_start(self, *args: Any) -> None:
+    def __init__(self, warmup: int, profile: bool = False) -> None:
+        self.warmup, self.times, self._start = warmup, [], 0.0
+        self.profiler: Any = None
+        if profile:
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        if self.profiler is not None and trainer.global_step == self.warmup:
+            self.profiler.__enter__()
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         if trainer.global_step > self.warmup:
             self.times.append(time.perf_counter() - self._start)
+
+    def on_train_end(self, *args: Any) -> None:
+        if self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+
+    def top_ops(self, n: int = 12) -> list[dict[str, Any]]:
+        """Ops by self CPU time per measured step (ms)."""
+        steps = max(1, len(self.times))
+        events = sorted(self.profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:n]
+        return [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps, "calls_per_step": e.count / steps}
+                for e in events]
 
 
 def _strategy(name: str) -> tuple[Any, type[GPTModule]]:
@@ -89,16 +107,30 @@ def _strategy(name: str) -> tuple[Any, type[GPTModule]]:
     raise ValueError(name)
 
 
-def _one_run(name: str, steps: int, warmup: int) -> float:
+def _one_run(name: str, steps: int, warmup: int, profile: bool = False) -> Any:
     seed_everything(0, verbose=False)
     strategy, cls = _strategy(name)
-    timer = _StepTimes(warmup)
+    timer = _StepTimes(warmup, profile)
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[timer], use_distributed_sampler=False)
     module = cls(**MODEL, learning_rate=1e-3, warmup_steps=2, total_steps=steps)
     trainer.fit(module, datamodule=_Tokens())
-    return statistics.median(timer.times)
+    return timer.top_ops() if profile else statistics.median(timer.times)
+
+
+def _profiles(names: list[str], steps: int, warmup: int) -> dict[str, Any]:
+    import traceback
+
+    env = dict(os.environ)
+    out: dict[str, Any] = {}
+    for name in names:
+        os.environ.update(env)
+        try:
+            out[name] = _one_run(name, steps, warmup, profile=True)
+        except Exception:  # noqa: BLE001
+            out[name] = traceback.format_exc().strip().splitlines()[-1]
+    return out
 
 
 def _rounds(names: list[str], rounds: int, steps: int, warmup: int) -> dict[str, Any]:
@@ -123,12 +155,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--profile", action="store_true", help="also record the top ops per step of each strategy")
     parser.add_argument("--only", default="", help="comma-separated names of ours to run (default: all pairs)")
     args = parser.parse_args()
     pairs_run = [p for p in PAIRS if not args.only or p[0] in args.only.split(",")]
     names = sorted({n for pair in pairs_run for n in pair})
     ranks = run_ranks(_rounds, 2, names, args.rounds, args.steps, args.warmup, timeout=3000)
     runs = ranks[0]
+    profiles = run_ranks(_profiles, 2, names, args.steps, args.warmup, timeout=3000)[0] if args.profile else None
     seconds = {n: statistics.median(v) if isinstance(v, list) and v else v for n, v in runs.items()}
     pairs = []
     for ours, theirs in pairs_run:
@@ -140,6 +174,8 @@ def main() -> None:
         "model": MODEL, "batch_per_rank": BATCH, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
         "seconds_per_step_median": seconds, "rounds_seconds": runs, "pairs": pairs,
     }
+    if profiles is not None:
+        result["profile_rank0_top_ops"] = profiles
     out = OUT if not args.only else OUT.with_name(f"vs_lightning_{args.only.replace(',', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
