@@ -30,6 +30,7 @@ from lightning_llmpar.modeling.materialize import materialize
 from lightning_llmpar.modeling.structure import mark_block_stack
 from lightning_llmpar.modeling.ties import find_tied_weights
 from lightning_llmpar.parallelize import Parallelized, parallelize
+from lightning_llmpar.pipeline.check import first_sample
 from lightning_llmpar.pipeline.runner import PipelineRunner
 from lightning_llmpar.pipeline.setup import build_pipeline
 from lightning_llmpar.precision.plugins import mesh_precision
@@ -84,26 +85,6 @@ class ShardingBackend:
         """Copies of tied weights on pipeline stages: local name -> the name one process gives the weight."""
         ties = self.runner.ties if self.runner is not None else None
         return ties.aliases() if ties is not None else {}
-
-
-def first_sample(trainer: pl.Trainer) -> Any:
-    """One sample of the training data as a batch of one, for the pipeline split check. Read from the dataset
-    directly: iterating the loader would move its sampler (a resumed run's position) and random state."""
-    import logging
-
-    from torch.utils.data import DataLoader, IterableDataset
-    from torch.utils.data.dataloader import default_collate
-
-    try:
-        loader = trainer.fit_loop._data_source.dataloader()
-        dataset = loader.dataset if isinstance(loader, DataLoader) else None
-        if dataset is None or isinstance(dataset, IterableDataset) or len(dataset) == 0:  # type: ignore[arg-type]
-            raise TypeError("not one map-style dataset")
-        with torch.random.fork_rng(devices=[]):
-            return (loader.collate_fn or default_collate)([dataset[0]])
-    except Exception as err:  # noqa: BLE001 - the check is optional; the first step checks what it can
-        logging.getLogger(__name__).info("pipeline split not checked before training (no sample at hand: %s)", err)
-        return None
 
 
 class FSDP2Backend(ShardingBackend):

@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torchmetrics import Metric
 
 from lightning_llmpar.modeling.materialize import has_meta_tensors, materialize
 from lightning_llmpar.modeling.structure import BlockStack
 from lightning_llmpar.modeling.ties import find_tied_weights, retie
 from lightning_llmpar.pipeline.split import _StageBlocks, _StandIn, outside_owners, stage_program
+from lightning_llmpar.training.quiet import quiet_step
 
-__all__ = ["Reference", "check_split", "checkable", "quiet_step", "run_whole"]
+__all__ = ["Reference", "check_split", "checkable", "first_sample", "run_whole"]
 
 log = logging.getLogger(__name__)
 
@@ -59,21 +59,6 @@ def checkable(module: nn.Module) -> Iterator[bool]:
         retie(module, tied)  # leaving the CPU gives every name its own tensor again
 
 
-@contextlib.contextmanager
-def quiet_step(module: nn.Module) -> Iterator[None]:
-    """Run a LightningModule's step outside Lightning's loop: logging and metric updates do nothing."""
-    metrics = [m for m in module.modules() if isinstance(m, Metric)]
-    module.log = module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
-    for m in metrics:
-        m.update = lambda *a, **k: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del module.log, module.log_dict
-        for m in metrics:
-            del m.update
-
-
 def _first_tensor(value: Any) -> Tensor:
     return value[0] if isinstance(value, (tuple, list)) else value
 
@@ -84,6 +69,24 @@ def _loss(out: Any) -> Tensor:
 
 def _close(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and bool(torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5))
+
+
+def first_sample(trainer: Any) -> Any:
+    """One sample of the training data as a batch of one, for the pipeline split check. Read from the dataset
+    directly: iterating the loader would move its sampler (a resumed run's position) and random state."""
+    from torch.utils.data import DataLoader, IterableDataset
+    from torch.utils.data.dataloader import default_collate
+
+    try:
+        loader = trainer.fit_loop._data_source.dataloader()
+        dataset = loader.dataset if isinstance(loader, DataLoader) else None
+        if dataset is None or isinstance(dataset, IterableDataset) or len(dataset) == 0:  # type: ignore[arg-type]
+            raise TypeError("not one map-style dataset")
+        with torch.random.fork_rng(devices=[]):
+            return (loader.collate_fn or default_collate)([dataset[0]])
+    except Exception as err:  # noqa: BLE001 - the check is optional; the first step checks what it can
+        log.info("pipeline split not checked before training (no sample at hand: %s)", err)
+        return None
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from lightning_llmpar.pipeline.split import BATCH_KWARG, StageModule, stage_prog
 from lightning_llmpar.pipeline.stages import StageLayout, build_schedule
 from lightning_llmpar.training.batches import batch_size
 from lightning_llmpar.training.loss_normalization import TokenNormalizer
+from lightning_llmpar.training.quiet import frozen_metrics
 
 __all__ = ["PipelineRunner", "bubble_fraction"]
 
@@ -163,7 +164,7 @@ class PipelineRunner:
         stand_ins = {name: stand_in for name, (_, stand_in) in self._swaps.items()} if stage != 0 else {}
 
         def call() -> Any:
-            with self._metrics_frozen() if self._inferring else nullcontext():
+            with frozen_metrics(self.module) if self._inferring else nullcontext():
                 return getattr(self.module, self._method)(batch, *self._step_args)
 
         cut, out = stage_program(self.module, self.blocks, self.layout.block_ranges[stage], last, incoming, stand_ins, call)
@@ -194,21 +195,6 @@ class PipelineRunner:
             yield
         finally:
             del self.module.log  # the instance attribute shadowed the method
-
-    @contextmanager
-    def _metrics_frozen(self) -> Iterator[None]:
-        metrics = [m for m in self.module.modules() if isinstance(m, Metric)]
-        saved = [m.__dict__.get("update") for m in metrics]
-        for m in metrics:
-            m.update = lambda *args, **kwargs: None  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            for m, update in zip(metrics, saved):
-                if update is None:
-                    del m.update
-                else:
-                    m.update = update  # type: ignore[method-assign]
 
     def run(self, method: str, batch: Any, step_args: tuple, accumulate: int = 1) -> Any:
         """Run ``method`` (e.g. 'training_step') on ``batch`` through the schedule; return its result."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import shutil
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -40,8 +39,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["LLMParallelStrategy"]
-
-log = logging.getLogger(__name__)
 
 class LLMParallelStrategy(MeshStrategy):
     """Tensor, data (ZeRO 0-3, hybrid) and sequence parallelism for any LightningModule on one device mesh.
