@@ -11,8 +11,9 @@ __all__ = ["ParallelLayout", "ZERO_STAGES"]
 ZERO_STAGES = (0, 1, 2, 3)
 
 # Mesh axes from outermost to innermost. Tensor parallel is innermost so its (chatty) ranks are
-# neighbours on one node; pipeline is outermost because it only sends activations between stages.
-MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+# neighbours on one node; pipeline is outermost because it only sends activations between stages. Context
+# parallel sits next to dp_shard so FSDP can shard over the two flattened together ("dp_shard_cp").
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,8 @@ class ParallelLayout:
 
     ``dp_replicate`` x ``dp_shard`` is the data-parallel degree. ZeRO stage 0 replicates parameters
     (``dp_shard`` is 1); stages 1-3 shard over ``dp_shard`` and replicate over ``dp_replicate``
-    (hybrid sharding when both are above 1).
+    (hybrid sharding when both are above 1). ``cp`` ranks hold parts of the same sequences: they read the same
+    batches, and FSDP shards parameters and averages gradients over ``dp_shard`` x ``cp``.
     """
 
     world_size: int
@@ -30,9 +32,10 @@ class ParallelLayout:
     dp_replicate: int = 1
     dp_shard: int = 1
     zero_stage: int = 0
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp", "dp_replicate", "dp_shard"):
+        for name in ("world_size", "tp", "pp", "dp_replicate", "dp_shard", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelLayout: `{name}` must be a positive integer, got {value!r}.")
@@ -43,10 +46,11 @@ class ParallelLayout:
                 f"zero_stage=0 replicates parameters, so there is nothing to shard over dp_shard={self.dp_shard}."
                 " Use zero_stage>=1 for sharding, or set data_parallel_replicate=data_parallel."
             )
-        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
         if product != self.world_size:
             raise ValueError(
-                f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * tp({self.tp}) * pp({self.pp})"
+                f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) * tp({self.tp}) *"
+                f" pp({self.pp})"
                 f" = {product} != world_size({self.world_size}). Choose degrees whose product is the number of"
                 " processes (devices x nodes), or leave `data_parallel` as 'auto'."
             )
@@ -61,18 +65,21 @@ class ParallelLayout:
         data_parallel: int | str = "auto",
         data_parallel_replicate: int | str = "auto",
         zero_stage: int = 0,
+        context_parallel: int = 1,
     ) -> ParallelLayout:
         """Build a layout from the user-facing degrees, inferring 'auto' values from the world size."""
-        for name, value in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel)):
+        pairs = (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel),
+                 ("context_parallel", context_parallel))
+        for name, value in pairs:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-        model_parallel = tensor_parallel * pipeline_parallel
+        model_parallel = tensor_parallel * pipeline_parallel * context_parallel
         if data_parallel == "auto":
             if world_size % model_parallel != 0:
                 raise ValueError(
                     f"world_size({world_size}) is not divisible by tensor_parallel({tensor_parallel}) *"
-                    f" pipeline_parallel({pipeline_parallel}) = {model_parallel}. Change the number of devices"
-                    " or the parallel degrees."
+                    f" pipeline_parallel({pipeline_parallel}) * context_parallel({context_parallel}) = {model_parallel}."
+                    " Change the number of devices or the parallel degrees."
                 )
             data_parallel = world_size // model_parallel
         if not isinstance(data_parallel, int) or data_parallel < 1:
@@ -98,6 +105,7 @@ class ParallelLayout:
             dp_replicate=replicate,
             dp_shard=data_parallel // replicate,
             zero_stage=zero_stage,
+            cp=context_parallel,
         )
 
     @property
@@ -106,16 +114,18 @@ class ParallelLayout:
 
     @property
     def degrees(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
 
     def __str__(self) -> str:
         return (
-            f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} x pp={self.pp}"
+            f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x tp={self.tp} x pp={self.pp}"
             f" (zero_stage={self.zero_stage}, world_size={self.world_size})"
         )
 
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-        """The one mesh every technique slices, and its data-parallel axes flattened into one ('dp')."""
+        """The one mesh every technique slices, and its data-parallel axes flattened into one ('dp'; the batch
+        sampler's ranks). ``dp_shard`` and ``cp`` are flattened too ('dp_shard_cp'), the axis FSDP shards over."""
         shape = tuple(self.degrees[axis] for axis in MESH_AXES)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")

@@ -70,9 +70,11 @@ def parallelize(
         done.packings = plan.packings
     if checkpointing is not None:
         checkpointing.apply(model, mesh)
-    if not (layout.dp > 1 or config.cpu_offload or config.always_shard):
+    if not (layout.dp * layout.cp > 1 or config.cpu_offload or config.always_shard):
         return done
-    dp_mesh = mesh["dp_replicate", "dp_shard"]
+    # Context-parallel ranks compute gradients of the same parameters from different tokens: FSDP shards over them
+    # as over dp_shard (as torchtitan does), so with context parallelism parameters are sharded even at ZeRO-0.
+    dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if layout.cp > 1 else mesh["dp_replicate", "dp_shard"]
     if config.gradient_compression is not None and layout.zero_stage == 0:
         # FSDP2 on the size-1 dp_shard axis communicates nothing, so the compressed all-reduce hook
         # (applied by the caller) is the only gradient sync; see compression_hooks.

@@ -171,7 +171,10 @@ class Record(Callback):
         self.grads: dict[str, torch.Tensor] = {}
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int) -> None:
-        self.losses.append(float(outputs["loss"]))
+        # A context-parallel rank's loss is the mean over its part of the sequences; weighted by its share of the
+        # targets, the mean over ranks is the loss of the whole batch.
+        cp = getattr(trainer.strategy, "context_parallel", None)
+        self.losses.append(float(outputs["loss"]) * (cp.loss_weight if cp is not None else 1.0))
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self.grads:

@@ -25,6 +25,7 @@ from lightning_llmpar.activation_checkpointing.policy import ActivationCheckpoin
 from lightning_llmpar.checkpointing import dcp as ckpt
 from lightning_llmpar.checkpointing.hf import load_hf_checkpoint
 from lightning_llmpar.checkpointing.litgpt import load_litgpt_checkpoint
+from lightning_llmpar.context_parallel import apply_context_parallel
 from lightning_llmpar.data_parallel.compression.hooks import GradientCompression, apply_gradient_compression
 from lightning_llmpar.modeling.materialize import materialize
 from lightning_llmpar.modeling.structure import mark_block_stack
@@ -100,6 +101,7 @@ class FSDP2Backend(ShardingBackend):
         if done is not None:
             # fit -> validate/test/predict on the same module: it is already split and sharded.
             layout, self.runner, self.parallelized, self.compression = done
+            s.context_parallel = getattr(module, "_llmpar_context_parallel", None)
             if layout != s.layout:
                 raise ValueError(
                     f"This LightningModule was already parallelized as {layout}; it cannot be re-parallelized as"
@@ -123,6 +125,8 @@ class FSDP2Backend(ShardingBackend):
                     " optimizer from all parameters (frozen ones get no gradient and no update), or freeze fewer layers."
                 ) from err
         s.setup_precision_plugin()
+        if s.context_parallel is not None:
+            s.context_parallel.install()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(s.optimizers, s.root_device)
         self._install_global_clipping()
@@ -136,7 +140,11 @@ class FSDP2Backend(ShardingBackend):
             mark_block_stack(module, options.block_stack)
         self._apply_precision_plan(module)
         if options.count_tokens is not None:
-            s._tokens = TokenNormalizer(options.count_tokens, s.layout.tp, s.layout.dp, s.root_device)
+            # Context-parallel ranks count the same whole batch (each weighs its own part, see context_parallel).
+            s._tokens = TokenNormalizer(options.count_tokens, s.layout.tp * s.layout.cp, s.layout.dp, s.root_device)
+        if s.layout.cp > 1:
+            s.context_parallel = apply_context_parallel(module, s.device_mesh["cp"], options.context_parallel_mode)
+            module._llmpar_context_parallel = s.context_parallel
         if s.layout.pp > 1:
             policy = s.parallel_config.mp_policy
             self.runner = build_pipeline(
@@ -215,6 +223,8 @@ class FSDP2Backend(ShardingBackend):
         if self.runner is None:
             if s._tokens is not None:  # weigh the mean loss by its tokens; the step divides by their total
                 loss = loss * s._step_tokens
+            if s.context_parallel is not None and s.context_parallel.active:
+                loss = loss * s.context_parallel.loss_weight
             return super().backward(loss, optimizer, *args, **kwargs)
         # The schedule already ran backward inside training_step (before Lightning's zero_grad), so
         # fire the backward hooks as usual but put the set-aside gradients back instead of autograd.

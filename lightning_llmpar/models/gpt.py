@@ -62,8 +62,9 @@ def _rope_tables(cfg: GPTConfig, device: torch.device | None = None) -> tuple[Te
 
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # x: (B, heads, T, head_dim); rotate pairs (even, odd).
+    # cos / sin: (T, head_dim / 2) shared by the batch, or (B, T, head_dim / 2) from per-sample positions.
     x1, x2 = x[..., 0::2], x[..., 1::2]
-    cos, sin = cos[None, None], sin[None, None]
+    cos, sin = (cos[None, None], sin[None, None]) if cos.ndim == 2 else (cos[:, None], sin[:, None])
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
@@ -131,12 +132,17 @@ class GPT(nn.Module):
         # Called after meta-device materialization: rebuild the (non-persistent) rotary tables.
         self.rope_cos, self.rope_sin = _rope_tables(self.config, device=self.rope_cos.device)
 
-    def forward(self, idx: Tensor) -> Tensor:
+    def forward(self, idx: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        """``position_ids`` (B, T): where each token sits in its sequence, when ``idx`` is not the whole sequence
+        from position 0 (context parallelism hands each rank part of it)."""
         T = idx.shape[1]
         if T > self.config.block_size:
             raise ValueError(f"Sequence length {T} exceeds block_size {self.config.block_size}.")
         x = self.tok_emb(idx)
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        if position_ids is None:
+            cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        else:
+            cos, sin = self.rope_cos[position_ids], self.rope_sin[position_ids]
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_llmpar.checkpointing import dcp as ckpt
+from lightning_llmpar.context_parallel import ContextParallel
 from lightning_llmpar.data_parallel.backend import FSDP2Backend, ShardingBackend
 from lightning_llmpar.data_parallel.deepspeed import DeepSpeedBackend
 from lightning_llmpar.data_parallel.fsdp import no_gradient_sync
@@ -86,6 +87,10 @@ class LLMParallelStrategy(MeshStrategy):
             stage by stage and refuse a split that computes something else (see docs/model-convention.md).
         litgpt_checkpoint: a LitGPT checkpoint directory (lit_model.pth + model_config.yaml) loaded into the
             LitGPT model inside the LightningModule, each rank reading only its slices.
+        context_parallel: ranks that each hold part of every sequence (long contexts): batches are cut along
+            the sequence and causal SDPA attention runs over the ranks (see docs/context-parallel.md).
+        context_parallel_mode: 'ring' (default; torch's ring attention, head-tail load balanced) or 'ulysses'
+            (all-to-all from sequence to head shards; heads must divide by context_parallel).
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
     """
 
@@ -117,6 +122,8 @@ class LLMParallelStrategy(MeshStrategy):
         block_stack: str | None = None,
         litgpt_checkpoint: str | None = None,
         pipeline_check: bool = True,
+        context_parallel: int = 1,
+        context_parallel_mode: Literal["ring", "ulysses"] = "ring",
         start_method: START_METHODS = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -139,6 +146,7 @@ class LLMParallelStrategy(MeshStrategy):
         self.hf_checkpoint, self.litgpt_checkpoint = options.hf_checkpoint, options.litgpt_checkpoint
         self._tokens: TokenNormalizer | None = None
         self._step_tokens = 1
+        self.context_parallel: ContextParallel | None = None
         self.parallel_config = ParallelConfig(
             sequence_parallel=sequence_parallel, tp_plan=dict(tp_plan or {}), cpu_offload=cpu_offload,
             gradient_compression=options.compression,
@@ -242,6 +250,9 @@ class LLMParallelStrategy(MeshStrategy):
         if self._runner is None:
             if method == "training_step" and self._tokens is not None:
                 self._step_tokens = self._tokens.add(args[0] if args else next(iter(kwargs.values())))
+            if self.context_parallel is not None:
+                training = method == "training_step" and not self.checking_pipeline_split
+                return self.context_parallel.run(training, self._through_root, method, args, kwargs)
             return self._through_root(method, *args, **kwargs)
         if kwargs:
             args = (*args, *kwargs.values())  # e.g. dataloader_idx
@@ -275,6 +286,12 @@ class LLMParallelStrategy(MeshStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         return self._backend.optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        if self.context_parallel is not None:
+            self.context_parallel.teardown()
+        super().teardown()
 
     @override
     def on_train_start(self) -> None:

@@ -8,6 +8,7 @@ from typing import Any, Literal, get_args
 
 from lightning_llmpar.checkpointing.hf import check_hf_directory
 from lightning_llmpar.checkpointing.litgpt import check_litgpt_directory
+from lightning_llmpar.context_parallel.attention import MODES as CP_MODES
 from lightning_llmpar.data_parallel.compression.methods import CompressionConfig
 from lightning_llmpar.layout import ZERO_STAGES
 from lightning_llmpar.pipeline.setup import PipelineConfig
@@ -33,6 +34,7 @@ class StrategyOptions:
     block_stack: str | None = None
     pipeline_check: bool = True
     count_tokens: Callable[[Any], int] | None = None
+    context_parallel_mode: str = "ring"
 
 
 def positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
@@ -57,6 +59,28 @@ def _check_degrees(a: dict[str, Any]) -> None:
     if a["cpu_offload"] and a["zero_stage"] == 0:
         raise ValueError(
             "LLMParallelStrategy: cpu_offload=True needs sharded state to offload; set zero_stage to 1, 2 or 3."
+        )
+
+
+def _check_context_parallel(a: dict[str, Any]) -> None:
+    positive_int("context_parallel", a["context_parallel"])
+    if a["context_parallel_mode"] not in CP_MODES:
+        raise ValueError(
+            f"LLMParallelStrategy: `context_parallel_mode` must be one of {CP_MODES}, got {a['context_parallel_mode']!r}."
+        )
+    if a["context_parallel"] == 1:
+        return
+    others = {
+        "pipeline_parallel": a["pipeline_parallel"] > 1,
+        "sharding_backend='deepspeed'": a["sharding_backend"] == "deepspeed",
+        "gradient_compression": a["gradient_compression"] is not None,
+    }
+    clash = [name for name, on in others.items() if on]
+    if clash:
+        raise ValueError(
+            f"LLMParallelStrategy: context_parallel={a['context_parallel']} does not combine with {', '.join(clash)}"
+            " yet (each rank's loss weight and the sequence cut live outside the pipeline schedule and the DeepSpeed"
+            " engine). Use tensor_parallel and data_parallel with context_parallel, or context_parallel=1."
         )
 
 
@@ -115,6 +139,7 @@ def _check_backend(a: dict[str, Any]) -> tuple[dict[str, Any], CompressionConfig
 def validate_options(a: dict[str, Any]) -> StrategyOptions:
     """Check the strategy's keyword arguments ``a`` (names as in ``LLMParallelStrategy.__init__``)."""
     _check_degrees(a)
+    _check_context_parallel(a)
     pipeline = _check_pipeline(a)
     deepspeed, compression = _check_backend(a)
     hf = str(check_hf_directory(a["hf_checkpoint"])) if a["hf_checkpoint"] is not None else None
@@ -135,7 +160,7 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
     if a["tp_plan"] is not None and not isinstance(a["tp_plan"], Mapping):
         raise ValueError(f"`tp_plan` must map module-name patterns to style names, got {type(a['tp_plan']).__name__}.")
     degrees = {k: a[k] for k in ("tensor_parallel", "pipeline_parallel", "data_parallel", "data_parallel_replicate",
-                                 "zero_stage")}
+                                 "zero_stage", "context_parallel")}
     count = None if norm == "mean" else count_target_tokens if norm == "tokens" else norm
     return StrategyOptions(degrees, pipeline, a["sharding_backend"], compression, deepspeed, hf, litgpt, stack,
-                           a["pipeline_check"], count)
+                           a["pipeline_check"], count, a["context_parallel_mode"])

@@ -1,0 +1,166 @@
+"""Context parallelism for any LightningModule: cut each training batch along the sequence, give the model the
+positions and shifted targets it can no longer derive, and route its causal SDPA calls to ring or Ulysses
+attention over the ``cp`` mesh axis. Parameters need nothing: FSDP shards them over dp_shard x cp.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_llmpar.context_parallel.attention import context_parallel_attention, enable_device_ring
+from lightning_llmpar.context_parallel.hf import prepare_hf_attention
+from lightning_llmpar.context_parallel.sequence import IGNORE_INDEX, SequenceShard, shard_batch
+
+__all__ = ["ContextParallel", "apply_context_parallel"]
+
+
+def _takes(module: nn.Module, name: str) -> int | None:
+    """Position of ``name`` among ``module.forward``'s arguments (None if it has no such argument)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params.index(name) if name in params else None
+
+
+class ContextParallel:
+    """This rank's context-parallel state: the cp mesh, the attention mode and the current step's shard."""
+
+    def __init__(self, mesh: DeviceMesh, mode: str) -> None:
+        self.mesh, self.mode = mesh, mode
+        self.cp, self.rank = mesh.size(), mesh.get_local_rank()
+        self.active = False  # from a training step's start through its backward (recomputation calls attention)
+        self.shard: SequenceShard | None = None
+        self.loss_weight = 1.0
+        self.attention_calls = 0
+        self.checked = False
+        self._sdpa = F.scaled_dot_product_attention
+        self._position_index: int | None = None
+        self._hf_labels = False
+        self.bytes_sent = 0
+
+    # ------------------------------------------------------------------ set-up
+
+    def prepare(self, module: nn.Module) -> None:
+        """Find where positions enter, switch transformers models to mask-free causal attention, patch SDPA."""
+        target = next((m for m in module.modules() if _takes(m, "position_ids") is not None), None)
+        if target is None:
+            raise ValueError(
+                f"context_parallel gives each rank part of every sequence, so the model must be told its tokens'"
+                f" positions, but no submodule of {type(module).__name__} takes `position_ids` in forward. Add a"
+                " `position_ids` argument to the model's forward (positions of the tokens it is given, as a"
+                " transformers model takes), or use context_parallel=1."
+            )
+        self._position_index = _takes(target, "position_ids")
+        self._hf_labels = prepare_hf_attention(module, lambda: self.active) and _takes(target, "labels") is not None
+        target.register_forward_pre_hook(self._inject, with_kwargs=True)
+
+    def install(self) -> None:
+        """Route ``F.scaled_dot_product_attention`` through this object for the run (undone by ``teardown``)."""
+        if self.mesh.device_type != "cpu":
+            enable_device_ring()
+        if F.scaled_dot_product_attention != self._attention:
+            self._sdpa = F.scaled_dot_product_attention
+            F.scaled_dot_product_attention = self._attention  # type: ignore[assignment]
+
+    def teardown(self) -> None:
+        self.active = False
+        if F.scaled_dot_product_attention == self._attention:
+            F.scaled_dot_product_attention = self._sdpa  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ per step
+
+    def run(self, training: bool, call: Callable[..., Any], method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """``call(method, *args, **kwargs)``: a training step on this rank's part of each sequence; evaluation
+        steps on whole sequences."""
+        self.active = training
+        if not training:
+            return call(method, *args, **kwargs)
+        output = call(method, self.begin_step(args[0]), *args[1:], **kwargs)
+        self.end_forward(method)
+        return output
+
+    def begin_step(self, batch: Any) -> Any:
+        """Cut ``batch`` for this rank and weigh its loss by its share of the step's valid targets."""
+        self.active, self.attention_calls = True, 0
+        batch, self.shard = shard_batch(batch, self.cp, self.rank, self.mode)
+        self.loss_weight = 1.0
+        if self.shard is not None and self.shard.targets is not None:
+            # Each cp rank's loss is a mean over its own valid targets; weighing it by cp x (its count / all
+            # ranks' count) makes the average that FSDP takes over cp the mean over every target of the sequences.
+            counts = torch.tensor([float((self.shard.targets != IGNORE_INDEX).sum())], dtype=torch.float64,
+                                  device=self.shard.targets.device)
+            local = float(counts)
+            dist.all_reduce(counts, group=self.mesh.get_group())
+            self.loss_weight = self.cp * local / float(counts) if float(counts) > 0 else 0.0
+        return batch
+
+    def end_forward(self, step: str) -> None:
+        """After the first training step's forward: the model really ran through context-parallel attention."""
+        if self.checked or self.shard is None:
+            return
+        self.checked = True
+        if self.attention_calls == 0:
+            raise ValueError(
+                f"context_parallel={self.cp} cut the sequence, but the model never called"
+                f" torch.nn.functional.scaled_dot_product_attention during {step}, so its attention (a custom"
+                " kernel, or a function imported before set-up) cannot see the other ranks' tokens. Use SDPA attention"
+                " (transformers: attn_implementation='sdpa'), or context_parallel=1."
+            )
+        if self.shard.shifted and not self.shard.labels_seen:
+            raise ValueError(
+                "context_parallel cuts every sequence, so targets must be shifted by one before the cut; this dict"
+                " batch's 'labels' never reached a transformers model's forward, which is where they would be. Pass"
+                " labels=batch['labels'] to the transformers model, or put already shifted targets in the batch (with"
+                " -100 where ignored) and compute the loss without shifting."
+            )
+
+    def _inject(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        if not self.active or self.shard is None:
+            return None
+        index = self._position_index
+        positional = index is not None and index < len(args)
+        given = args[index] if positional else kwargs.get("position_ids")
+        if given is None:
+            positions = self.shard.positions
+        elif given.shape[-1] == self.shard.seq_len:  # positions of the whole sequence: cut them like the tokens
+            positions = given.index_select(-1, self.shard.positions[0])
+        else:
+            positions = given
+        if positional:
+            args = (*args[:index], positions, *args[index + 1 :])
+        else:
+            kwargs["position_ids"] = positions
+        labels = kwargs.get("labels")
+        if self._hf_labels and isinstance(labels, Tensor):
+            shifted = self.shard.shifted.get(id(labels))
+            if shifted is not None:
+                kwargs["shift_labels"] = shifted
+                self.shard.labels_seen = True
+        return args, kwargs
+
+    def _attention(self, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if not self.active:
+            return self._sdpa(query, key, value, *args, **kwargs)
+        self.attention_calls += 1
+        # What moves per call: ring sends k and v around cp - 1 hops; Ulysses sends q, k, v and the output once.
+        if self.mode == "ring":
+            self.bytes_sent += 2 * key.numel() * key.element_size() * (self.cp - 1)
+        else:
+            self.bytes_sent += 4 * query.numel() * query.element_size() * (self.cp - 1) // self.cp
+        return context_parallel_attention(self.mode, self.mesh, self._sdpa, query, key, value, *args, **kwargs)
+
+
+def apply_context_parallel(module: nn.Module, mesh: DeviceMesh, mode: str) -> ContextParallel:
+    """Prepare ``module`` for context parallelism over ``mesh`` (the cp axis); ``install`` before training."""
+    cp = ContextParallel(mesh, mode)
+    cp.prepare(module)
+    return cp

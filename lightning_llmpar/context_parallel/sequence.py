@@ -1,0 +1,113 @@
+"""Each context-parallel rank's part of a batch: the same positions cut from every sequence-shaped tensor.
+
+``ring`` takes chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp`` (head-tail: every rank gets as much of the causal
+triangle as the others, the layout torch's ring expects); ``ulysses`` takes the contiguous chunk ``r``. The
+positions (``position_ids``) and the globally shifted targets of an unshifted ``labels`` go with the shard,
+because a model can no longer derive either from its local part of the sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["IGNORE_INDEX", "SequenceShard", "positions_for", "shard_batch"]
+
+IGNORE_INDEX = -100
+
+
+def positions_for(seq_len: int, cp: int, rank: int, mode: str) -> Tensor:
+    """This rank's token positions within a sequence of ``seq_len``, in the order the shard holds them."""
+    if mode == "ring":
+        chunk = seq_len // (2 * cp)
+        head = torch.arange(rank * chunk, (rank + 1) * chunk)
+        tail = torch.arange(seq_len - (rank + 1) * chunk, seq_len - rank * chunk)
+        return torch.cat([head, tail])
+    chunk = seq_len // cp
+    return torch.arange(rank * chunk, (rank + 1) * chunk)
+
+
+def check_sequence_length(seq_len: int, cp: int, mode: str) -> None:
+    parts = 2 * cp if mode == "ring" else cp
+    if seq_len % parts:
+        why = "two chunks per rank for the causal load balance" if mode == "ring" else "one chunk per rank"
+        raise ValueError(
+            f"context_parallel={cp} with context_parallel_mode={mode!r} cuts every sequence into {parts} chunks"
+            f" ({why}), but the batch's sequence length is {seq_len}. Use a sequence length divisible by {parts}"
+            " (pad on the right, with ignored targets -100)."
+        )
+
+
+@dataclass
+class SequenceShard:
+    """What cutting one batch left for the model's forward: positions and the shifted targets of ``labels``."""
+
+    seq_len: int
+    positions: Tensor
+    shifted: dict[int, Tensor] = field(default_factory=dict)  # id(local labels) -> local shifted labels
+    targets: Tensor | None = None  # the local targets whose valid count weighs this rank's loss
+    labels_seen: bool = False
+
+
+def _first_sequence(batch: Any) -> Tensor | None:
+    if isinstance(batch, Tensor):
+        return batch if batch.ndim >= 2 else None
+    if isinstance(batch, dict):
+        if isinstance(batch.get("input_ids"), Tensor):
+            return batch["input_ids"]
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            found = _first_sequence(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _check_right_padding(mask: Tensor) -> None:
+    # Ring and Ulysses attention run causal attention without a mask. Padding on the right is then exact: real
+    # tokens never attend to later positions, and padded positions carry ignored targets.
+    m = mask.to(torch.int64)
+    if bool((m[:, 1:] > m[:, :-1]).any()):
+        raise ValueError(
+            "context_parallel runs causal attention without an attention mask, which is exact for padding on the right"
+            " only; this batch's attention_mask has padding before real tokens. Pad on the right (tokenizer"
+            " padding_side='right'), or use context_parallel=1."
+        )
+
+
+def shard_batch(batch: Any, cp: int, rank: int, mode: str) -> tuple[Any, SequenceShard | None]:
+    """Cut every tensor of ``batch`` whose dimension 1 is the sequence; None when the batch has no sequence."""
+    first = _first_sequence(batch)
+    if first is None:
+        return batch, None
+    seq_len = first.shape[1]
+    check_sequence_length(seq_len, cp, mode)
+    index = positions_for(seq_len, cp, rank, mode).to(first.device)
+    shard = SequenceShard(seq_len, index.unsqueeze(0).expand(first.shape[0], -1))
+
+    def cut(x: Any) -> Any:
+        if isinstance(x, Tensor) and x.ndim >= 2 and x.shape[1] == seq_len:
+            return x.index_select(1, index)
+        return x
+
+    if isinstance(batch, dict):
+        if isinstance(batch.get("attention_mask"), Tensor):
+            _check_right_padding(batch["attention_mask"])
+        out = {k: cut(v) for k, v in batch.items()}
+        labels = batch.get("labels")
+        if isinstance(labels, Tensor) and labels.ndim == 2:
+            # transformers' causal-LM loss shifts labels by one inside the model; cut the shifted ones instead.
+            shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
+            shard.targets = shifted.index_select(1, index)
+            shard.shifted[id(out["labels"])] = shard.targets
+        return out, shard
+    if isinstance(batch, (list, tuple)):
+        out = type(batch)(cut(x) for x in batch) if isinstance(batch, list) else tuple(cut(x) for x in batch)
+        if len(out) >= 2 and isinstance(out[1], Tensor) and out[1].shape == first.shape:
+            shard.targets = out[1]  # (inputs, targets) pairs carry targets already shifted
+        return out, shard
+    return cut(batch), shard

@@ -1,0 +1,141 @@
+"""Context parallelism reproduces one process: each rank holds part of every sequence (ring or Ulysses attention),
+alone and combined with tensor parallelism and ZeRO, on transformers models and on the example GPT.
+
+Cases of one world size share a launch; each one-process reference is computed once.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_llmpar import LLMParallelStrategy
+from lightning_llmpar.context_parallel.hf import prepare_hf_attention
+from lightning_llmpar.context_parallel.sequence import positions_for, shard_batch
+from tests.distributed import run_ranks
+from tests.zoo import assert_exact, fit_cases
+
+pytest.importorskip("transformers")
+
+STEPS = 10
+RING, ULYSSES = {"context_parallel": 2}, {"context_parallel": 2, "context_parallel_mode": "ulysses"}
+# (model, strategy kwargs, per-rank batch, options); the global batch is 8 everywhere.
+CASES: dict[int, list[tuple]] = {
+    2: [
+        ("llama", RING, 8, {"tag": "ring"}),
+        ("llama", ULYSSES, 8, {"tag": "ulysses"}),
+        ("gpt2", RING, 8, {"tag": "ring"}),  # learned absolute positions, tied embeddings
+        ("qwen3", RING, 8, {"tag": "ring_padded", "padded": True}),  # right padding: ranks hold unequal targets
+        ("qwen3", dict(ULYSSES, loss_normalization="tokens"), 8, {"tag": "ulysses_tokens", "padded": True}),
+    ],
+    4: [
+        ("llama", dict(RING, tensor_parallel=2), 8, {"tag": "cp2_tp2"}),
+        ("qwen2", dict(ULYSSES, zero_stage=3), 4, {"tag": "cp2_dp2_zero3"}),
+    ],
+    8: [("llama", dict(RING, tensor_parallel=2, zero_stage=2), 4, {"tag": "cp2_tp2_dp2_zero2"})],
+}
+
+
+def _reference_options(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k != "tag"}
+
+
+@cache
+def references() -> dict[tuple[str, str], Any]:
+    wanted = {}
+    for cases in CASES.values():
+        for name, _, _, options in cases:
+            ref_options = _reference_options(options)
+            wanted[(name, repr(sorted(ref_options.items())))] = (name, None, 8, {**ref_options, "steps": STEPS,
+                                                                                "tag": repr(sorted(ref_options.items()))})
+    return run_ranks(fit_cases, 1, list(wanted.values()), timeout=900)[0]
+
+
+@cache
+def results(world: int) -> list[dict[tuple[str, str], Any]]:
+    cases = [(name, kwargs, batch, {**options, "steps": STEPS}) for name, kwargs, batch, options in CASES[world]]
+    return run_ranks(fit_cases, world, cases, timeout=1200)
+
+
+@pytest.mark.parametrize("world, name, tag", [(w, c[0], c[3]["tag"]) for w, cases in CASES.items() for c in cases])
+def test_context_parallel_is_exact(world: int, name: str, tag: str) -> None:
+    options = next(c[3] for c in CASES[world] if c[0] == name and c[3]["tag"] == tag)
+    ref = references()[(name, repr(sorted(_reference_options(options).items())))]
+    outs = [r[(name, tag)] for r in results(world)]
+    assert_exact(ref, outs, sharded=False)
+
+
+def test_example_gpt_ring_with_checkpointing_and_validation() -> None:
+    """The package's own GPT (rotary tables indexed by position) under cp2, with activation checkpointing (the
+    recomputation in backward runs ring attention again) and whole-sequence validation."""
+    from tests.test_parity import assert_parity
+    from tests.workloads import fit
+
+    kwargs = {"sgd": True, "validate": True, "checkpointing": {"mode": "full"}}
+    ref = run_ranks(fit, 1, "gpt", None, batch_size=16, **kwargs)[0]
+    outs = run_ranks(fit, 2, "gpt", RING, batch_size=16, **kwargs)
+    assert all(o["checkpointing_applied"] for o in outs)
+    assert_parity(ref, outs, dp=1)
+    for key, value in ref["val"].items():
+        assert abs(outs[0]["val"][key] - value) < 1e-5, (key, outs[0]["val"][key], value)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def test_head_tail_positions_cover_the_sequence_once() -> None:
+    for mode in ("ring", "ulysses"):
+        got = torch.cat([positions_for(16, 4, r, mode) for r in range(4)])
+        assert sorted(got.tolist()) == list(range(16))
+    assert positions_for(16, 2, 0, "ring").tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+
+
+def test_sequence_not_divisible_is_refused_with_the_numbers() -> None:
+    batch = {"input_ids": torch.zeros(2, 18, dtype=torch.long), "labels": torch.zeros(2, 18, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"context_parallel=2 .* 4 chunks .* sequence length is 18"):
+        shard_batch(batch, 2, 0, "ring")
+    shard_batch(batch, 2, 0, "ulysses")  # one chunk per rank: 18 = 2 x 9
+
+
+def test_left_padding_is_refused() -> None:
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "attention_mask": mask}
+    with pytest.raises(ValueError, match="padding_side='right'"):
+        shard_batch(batch, 2, 0, "ring")
+
+
+def test_labels_are_shifted_before_the_cut() -> None:
+    labels = torch.arange(8).unsqueeze(0)
+    local, shard = shard_batch({"input_ids": labels.clone(), "labels": labels}, 2, 1, "ring")
+    assert local["labels"].tolist() == [[2, 3, 4, 5]]
+    assert shard.targets.tolist() == [[3, 4, 5, 6]]  # each position's target is the next token of the whole sequence
+    assert shard.positions.tolist() == [[2, 3, 4, 5]]
+
+
+def test_sliding_window_attention_is_refused() -> None:
+    from tests.zoo import HFCausalLM
+
+    module = HFCausalLM("mistral")
+    module.model.config.sliding_window = 8
+    with pytest.raises(ValueError, match="MistralForCausalLM: its attention uses a sliding window"):
+        prepare_hf_attention(module, lambda: False)
+
+
+def test_bad_combinations_are_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="context_parallel_mode"):
+        LLMParallelStrategy(context_parallel=2, context_parallel_mode="tree")
+    with pytest.raises(ValueError, match="context_parallel=2 does not combine with pipeline_parallel"):
+        LLMParallelStrategy(context_parallel=2, pipeline_parallel=2)
+    with pytest.raises(ValueError, match="positive integer"):
+        LLMParallelStrategy(context_parallel=0)
+
+
+def test_world_not_divisible_by_cp_is_refused_before_launch() -> None:
+    from lightning.pytorch import Trainer
+
+    with pytest.raises(ValueError, match=r"context_parallel\(4\) = 8"):
+        Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(tensor_parallel=2, context_parallel=4),
+                logger=False)
