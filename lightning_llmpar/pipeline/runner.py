@@ -61,6 +61,7 @@ class PipelineRunner:
         self._stash: dict[nn.Parameter, Tensor | None] = {}
         self._accumulate = 1
         self._inferring = 0
+        self.defer_reduction = False  # in a micro-step that is not the optimizer step's last (see deferring_reduction)
         # Loss scaling (FP16): the schedule runs backward itself, so the scale is applied per microbatch.
         self.scale_loss: Callable[[Tensor], Tensor] | None = None
         self.timeline: list[tuple[int, str, int, float, float]] = []  # (stage, kind, microbatch, t0, t1)
@@ -85,7 +86,29 @@ class PipelineRunner:
             for stage in self._stages:
                 self._record_actions(stage)
                 self._mark_metadata_inference(stage)
+                self._defer_reduce_grad(stage)
         return self._stages
+
+    def _defer_reduce_grad(self, stage: PipelineStage) -> None:
+        # torch's schedules end every step with the stage's gradient reduction (FSDP post-backward), even inside
+        # Lightning's no-sync accumulation micro-steps. Held back there, gradients accumulate unreduced in FSDP
+        # and are reduced once, in the optimizer step's last micro-step (grads are never scaled: scale_grads=False).
+        original = stage.perform_reduce_grad
+
+        def reduce_grad(grad_scale_factor: int) -> None:
+            if not (self.defer_reduction and grad_scale_factor == 1):
+                original(grad_scale_factor)
+
+        stage.perform_reduce_grad = reduce_grad  # type: ignore[method-assign]
+
+    @contextmanager
+    def deferring_reduction(self) -> Iterator[None]:
+        """Lightning's accumulation micro-steps before the last: no gradient reduction at the schedule's end."""
+        self.defer_reduction = True
+        try:
+            yield
+        finally:
+            self.defer_reduction = False
 
     def _mark_metadata_inference(self, stage: PipelineStage) -> None:
         # On first use the stage runs its forward (and the loss) once more on placeholder tensors to

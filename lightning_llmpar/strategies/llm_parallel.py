@@ -338,7 +338,8 @@ class LLMParallelStrategy(MeshStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        with no_gradient_sync(self._backend.parallelized.fsdp_roots):
+        deferring = self._runner.deferring_reduction() if self._runner else nullcontext()
+        with no_gradient_sync(self._backend.parallelized.fsdp_roots), deferring:
             yield None
 
     # ----------------------------------------------------------------- checkpoints

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_llmpar.pipeline.stages import StageLayout, plan_stages
 from tests.distributed import run_ranks
@@ -87,6 +88,41 @@ def test_transformers_llama_pipeline_without_any_hook(kwargs: dict[str, Any], wo
 def test_pipeline_accumulation_and_global_clipping(kwargs: dict[str, Any], world: int) -> None:
     ref = reference_for("gpt", accumulate=2, clip=0.1, sgd=True)
     assert_pipeline_parity(ref, _run("gpt", kwargs, world, accumulate=2, clip=0.1, sgd=True))
+
+
+class ReductionCounter(Callback):
+    """Gradient reductions (FSDP2 reduce-scatter / all-reduce of one unit) between optimizer steps, per step."""
+
+    def __init__(self) -> None:
+        self.per_step: list[int] = []
+        self.stages = 0
+        self._count = 0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+        original = group.foreach_reduce
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self._count += 1
+            return original(*args, **kwargs)
+
+        group.foreach_reduce = counted
+        self.stages = len(trainer.strategy.pipeline_runner.stage_modules)
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        self.per_step.append(self._count)
+        self._count = 0
+
+
+def test_accumulation_reduces_gradients_once_per_optimizer_step() -> None:
+    """torch's schedules reduce gradients at the end of every schedule step; with accumulate_grad_batches=2 the
+    first micro-step keeps them unreduced, so each stage's unit reduces once per optimizer step."""
+    outs = _run("gpt", {"pipeline_parallel": 2, "zero_stage": 2}, 4, steps=4, accumulate=2, sgd=True,
+                callbacks_extra=[ReductionCounter()])
+    for out in outs:
+        counter = out["extra"][0]
+        assert counter["stages"] == 2 and counter["per_step"] == [counter["stages"]] * 4, counter
 
 
 def test_validation_and_predict_run_through_the_schedule() -> None:
