@@ -45,7 +45,7 @@ class ContextParallel:
         self._sdpa = F.scaled_dot_product_attention
         self._position_index: int | None = None
         self._hf_labels = False
-        self.bytes_sent = 0
+        self.bytes_sent = 0  # attention traffic this rank sent in the forward passes since the last optimizer step
 
     # ------------------------------------------------------------------ set-up
 

@@ -255,6 +255,9 @@ class FSDP2Backend(ShardingBackend):
             # are already summed over ranks, identical everywhere.
             for name, value in self.compression.step_metrics().items():
                 s.lightning_module.log(name, value, on_step=True, on_epoch=False, sync_dist=False)
+        if s.context_parallel is not None and s.lightning_module is not None:
+            sent, s.context_parallel.bytes_sent = s.context_parallel.bytes_sent, 0
+            s.lightning_module.log("cp/bytes_sent", float(sent), on_step=True, on_epoch=False, sync_dist=False)
         return output
 
     def _raw_optimizers(self) -> list[Optimizer]:

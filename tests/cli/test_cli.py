@@ -105,6 +105,7 @@ def test_example_configs_build_a_valid_trainer(config: Path, request: pytest.Fix
     degrees = spec["strategy"]["init_args"]
     assert strategy.layout.tp == degrees.get("tensor_parallel", 1)
     assert strategy.layout.zero_stage == degrees.get("zero_stage", 0)
+    assert strategy.layout.cp == degrees.get("context_parallel", 1)
     for plugin in spec.get("plugins", []):
         assert type(cli.trainer.precision_plugin).__name__ == plugin["class_path"].rsplit(".", 1)[1]
 
