@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_llmpar import LLMParallelStrategy
@@ -59,6 +60,8 @@ class _Measure(Callback):
         self._params: set[int] = set()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+            return t  # weights (FSDP's gathered ones are the modules' parameters during forward)
         ptr = t.untyped_storage().data_ptr()
         if ptr not in self._seen and ptr not in self._params:
             self._seen.add(ptr)
@@ -68,8 +71,9 @@ class _Measure(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, idx: int) -> None:
         self.start = time.perf_counter()
         if idx == 0:
-            # Parameters are not activations (FSDP's gathered ones included: they are the modules' parameters now).
-            self._params = {p.untyped_storage().data_ptr() for p in pl_module.parameters() if p.numel()}
+            # Parameters are not activations.
+            self._params = {p.untyped_storage().data_ptr() for p in pl_module.parameters()
+                            if p.numel() and not isinstance(p, DTensor)}
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
             self._hooks.__enter__()
 
