@@ -39,7 +39,7 @@ def test_strategy_arguments(kwargs: dict, match: str) -> None:
     ("devices", "kwargs", "match"),
     [
         (3, {"tensor_parallel": 2}, r"world_size\(3\) is not divisible by tensor_parallel\(2\) \* pipeline_parallel\(1\)"),
-        (2, {"data_parallel": 4}, r"dp_replicate\(4\) \* dp_shard\(1\) \* tp\(1\) \* pp\(1\) = 4 != world_size\(2\)"),
+        (2, {"data_parallel": 4}, r"dp_replicate\(4\) \* dp_shard\(1\) \* cp\(1\) \* tp\(1\) \* pp\(1\) = 4 != world_size\(2\)"),
         (4, {"zero_stage": 3, "data_parallel_replicate": 3}, r"data_parallel_replicate\(3\) must be a positive divisor"),
         (2, {"zero_stage": 0, "data_parallel_replicate": 1}, r"zero_stage=0 replicates parameters"),
     ],
@@ -55,7 +55,7 @@ def test_layout_object_names_every_degree() -> None:
     layout = ParallelLayout.from_degrees(8, tensor_parallel=2, zero_stage=3, data_parallel_replicate=2)
     assert (layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp) == (2, 2, 2, 1)
     assert layout.dp == 4
-    with pytest.raises(ValueError, match=r"dp_replicate\(1\) \* dp_shard\(2\) \* tp\(2\) \* pp\(1\) = 4 != world_size\(8\)"):
+    with pytest.raises(ValueError, match=r"dp_replicate\(1\) \* dp_shard\(2\) \* cp\(1\) \* tp\(2\) \* pp\(1\) = 4 != world_size\(8\)"):
         ParallelLayout(world_size=8, dp_shard=2, tp=2, zero_stage=3)
 
 
