@@ -28,7 +28,8 @@ CASES: dict[int, list[tuple]] = {
         ("llama", RING, 8, {"tag": "ring"}),
         ("llama", ULYSSES, 8, {"tag": "ulysses"}),
         ("gpt2", RING, 8, {"tag": "ring"}),  # learned absolute positions, tied embeddings
-        ("qwen3", RING, 8, {"tag": "ring_padded", "padded": True}),  # right padding: ranks hold unequal targets
+        ("qwen3", RING, 8, {"tag": "ring_padded", "padded": True}),
+        ("llama_untied", RING, 8, {"tag": "ring_frozen", "frozen": "head_only"}),  # only the LM head trains  # right padding: ranks hold unequal targets
         ("qwen3", dict(ULYSSES, loss_normalization="tokens"), 8, {"tag": "ulysses_tokens", "padded": True}),
     ],
     4: [
