@@ -23,7 +23,9 @@ class ParallelLayout:
     ``dp_replicate`` x ``dp_shard`` is the data-parallel degree. ZeRO stage 0 replicates parameters
     (``dp_shard`` is 1); stages 1-3 shard over ``dp_shard`` and replicate over ``dp_replicate``
     (hybrid sharding when both are above 1). ``cp`` ranks hold parts of the same sequences: they read the same
-    batches, and FSDP shards parameters and averages gradients over ``dp_shard`` x ``cp``.
+    batches, and FSDP shards parameters and averages gradients over ``dp_shard`` x ``cp``. ``ep`` ranks are
+    consecutive data-parallel ranks (inside ``dp_shard``, or inside ``dp_replicate`` at ZeRO-0) that split every MoE
+    layer's experts; expert weights are sharded or replicated over the remaining data-parallel ranks.
     """
 
     world_size: int
@@ -33,9 +35,10 @@ class ParallelLayout:
     dp_shard: int = 1
     zero_stage: int = 0
     cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp", "dp_replicate", "dp_shard", "cp"):
+        for name in ("world_size", "tp", "pp", "dp_replicate", "dp_shard", "cp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelLayout: `{name}` must be a positive integer, got {value!r}.")
@@ -54,6 +57,19 @@ class ParallelLayout:
                 f" = {product} != world_size({self.world_size}). Choose degrees whose product is the number of"
                 " processes (devices x nodes), or leave `data_parallel` as 'auto'."
             )
+        if self.ep > 1:
+            self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        # The expert-parallel group is the innermost data-parallel ranks: within dp_shard when parameters are
+        # sharded (so the remaining ranks shard the experts), within dp_replicate at ZeRO-0 (dp_shard is 1).
+        axis, size = ("dp_shard", self.dp_shard) if self.zero_stage else ("dp_replicate", self.dp_replicate)
+        if size % self.ep:
+            raise ValueError(
+                f"expert_parallel({self.ep}) must divide the data-parallel ranks it is taken from: {axis}({size})"
+                f" (data_parallel={self.dp}, data_parallel_replicate={self.dp_replicate}, zero_stage={self.zero_stage})."
+                " Choose expert_parallel among the divisors of that number, or change the degrees."
+            )
 
     @classmethod
     def from_degrees(
@@ -66,10 +82,11 @@ class ParallelLayout:
         data_parallel_replicate: int | str = "auto",
         zero_stage: int = 0,
         context_parallel: int = 1,
+        expert_parallel: int = 1,
     ) -> ParallelLayout:
         """Build a layout from the user-facing degrees, inferring 'auto' values from the world size."""
         pairs = (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel),
-                 ("context_parallel", context_parallel))
+                 ("context_parallel", context_parallel), ("expert_parallel", expert_parallel))
         for name, value in pairs:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
@@ -106,6 +123,7 @@ class ParallelLayout:
             dp_shard=data_parallel // replicate,
             zero_stage=zero_stage,
             cp=context_parallel,
+            ep=expert_parallel,
         )
 
     @property
@@ -119,7 +137,7 @@ class ParallelLayout:
     def __str__(self) -> str:
         return (
             f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x tp={self.tp} x pp={self.pp}"
-            f" (zero_stage={self.zero_stage}, world_size={self.world_size})"
+            f" (zero_stage={self.zero_stage}, ep={self.ep}, world_size={self.world_size})"
         )
 
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
@@ -129,3 +147,13 @@ class ParallelLayout:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+    def expert_meshes(self, mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
+        """``mesh`` with the data-parallel axis that holds the expert-parallel ranks split in two (outer: the rest,
+        innermost: 'ep'), and the (replicate, shard) mesh expert weights are data-parallel over."""
+        if self.zero_stage:
+            experts = mesh._unflatten(MESH_AXES.index("dp_shard"), (self.dp_shard // self.ep, self.ep), ("edp_shard", "ep"))
+            return experts, experts["dp_replicate", "edp_shard"]
+        experts = mesh._unflatten(MESH_AXES.index("dp_replicate"), (self.dp_replicate // self.ep, self.ep),
+                                  ("edp_replicate", "ep"))
+        return experts, experts["edp_replicate", "dp_shard"]

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from lightning_llmpar.activation_checkpointing.policy import ActivationCheckpointing
 from lightning_llmpar.data_parallel.compression.methods import CompressionConfig
 from lightning_llmpar.data_parallel.fsdp import apply_data_parallel
+from lightning_llmpar.expert_parallel import ExpertParallel, apply_expert_parallel
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.modeling.structure import find_block_stack
 from lightning_llmpar.modeling.ties import find_tied_weights, retie
@@ -34,6 +35,8 @@ class ParallelConfig:
     always_shard: bool = False
     # Compresses the data-parallel gradient sync (see lightning_llmpar.data_parallel.compression.hooks).
     gradient_compression: CompressionConfig | None = None
+    # Cut each expert at this multiple of its even share of a rank's tokens (see expert_parallel.dispatch).
+    expert_capacity_factor: float | None = None
 
 
 @dataclass
@@ -43,6 +46,7 @@ class Parallelized:
 
     fsdp_roots: list[nn.Module] = field(default_factory=list)
     packings: dict[str, Packing] = field(default_factory=dict)
+    expert_parallel: ExpertParallel | None = None
 
 
 def parallelize(
@@ -68,6 +72,10 @@ def parallelize(
         apply_tensor_parallel(model, mesh["tp"], plan)
         retie(model, tied)  # sharding gave each user of a tied weight its own parameter
         done.packings = plan.packings
+    expert_mesh, expert_dp_mesh = layout.expert_meshes(mesh) if layout.ep > 1 else (None, None)
+    if layout.ep > 1 or config.expert_capacity_factor is not None:
+        # After tensor parallelism, which split each expert along its FFN width: the expert split goes in front.
+        done.expert_parallel = apply_expert_parallel(model, expert_mesh, config.expert_capacity_factor)
     if checkpointing is not None:
         checkpointing.apply(model, mesh)
     if not (layout.dp * layout.cp > 1 or config.cpu_offload or config.always_shard):
@@ -80,6 +88,10 @@ def parallelize(
         # (applied by the caller) is the only gradient sync; see compression_hooks.
         dp_mesh = mesh["dp_shard"]
     kwargs = {"zero_stage": layout.zero_stage, "cpu_offload": config.cpu_offload, "mp_policy": config.mp_policy}
+    if expert_dp_mesh is not None and done.expert_parallel is not None:
+        # Expert weights differ across the ep ranks: their own units, data-parallel over the remaining ranks only.
+        for experts in done.expert_parallel.experts.values():
+            apply_data_parallel(experts, expert_dp_mesh, blocks=None, **kwargs)
     if stage_roots:
         # One FSDP unit per pipeline stage, none per block: nested units under the zero-bubble
         # schedules give wrong gradients, one unit per stage is exact under every schedule.

@@ -169,12 +169,14 @@ class Record(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.grads: dict[str, torch.Tensor] = {}
+        self.metrics: list[dict[str, float]] = []  # what was logged, per step
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int) -> None:
         # A context-parallel rank's loss is the mean over its part of the sequences; weighted by its share of the
         # targets, the mean over ranks is the loss of the whole batch.
         cp = getattr(trainer.strategy, "context_parallel", None)
         self.losses.append(float(outputs["loss"]) * (cp.loss_weight if cp is not None else 1.0))
+        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self.grads:
@@ -297,7 +299,7 @@ def fit_case(
             value = full(p).cpu()
             params[aliases.get(pname, pname)] = to_canonical(value, packings[pname]) if pname in packings else value
     return {"losses": record.losses, "grads": record.grads, "held": held / total, "param_dtype": str(dtype),
-            "plugin": type(trainer.precision_plugin).__name__, "params": params}
+            "plugin": type(trainer.precision_plugin).__name__, "params": params, "metrics": record.metrics}
 
 
 def _precision(spec: Any) -> tuple[list[Any] | None, Any]:

@@ -258,6 +258,12 @@ class FSDP2Backend(ShardingBackend):
         if s.context_parallel is not None and s.lightning_module is not None:
             sent, s.context_parallel.bytes_sent = s.context_parallel.bytes_sent, 0
             s.lightning_module.log("cp/bytes_sent", float(sent), on_step=True, on_epoch=False, sync_dist=False)
+        experts = self.parallelized.expert_parallel
+        if experts is not None and s.lightning_module is not None:
+            # Summed over every rank (tensor-parallel ranks route the same tokens), so identical everywhere.
+            assert s._dp_mesh is not None
+            for name, value in experts.step_metrics(s._dp_mesh.get_group(), s.layout.tp * s.layout.cp).items():
+                s.lightning_module.log(name, value, on_step=True, on_epoch=False, sync_dist=False)
         return output
 
     def _raw_optimizers(self) -> list[Optimizer]:

@@ -1,4 +1,5 @@
-"""A small Llama-style decoder: RoPE, RMSNorm, SwiGLU and grouped-query attention.
+"""A small Llama-style decoder: RoPE, RMSNorm, SwiGLU and grouped-query attention; optionally mixture-of-experts
+MLPs (top-k routing over SwiGLU experts, as Mixtral).
 
 Written as for one device: nothing in it knows about parallelism. Attention reshapes with its own
 head-count attributes, which tensor parallelism rescales to the per-rank counts.
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["GPTConfig", "GPT"]
+__all__ = ["GPTConfig", "GPT", "MoE", "Experts"]
 
 
 @dataclass
@@ -26,6 +27,9 @@ class GPTConfig:
     mlp_hidden: int | None = None
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
+    n_expert: int = 0  # > 0: every block's MLP is a mixture of this many experts
+    n_expert_per_token: int = 2
+    moe_hidden: int | None = None  # each expert's FFN width (default: mlp_hidden)
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -34,6 +38,12 @@ class GPTConfig:
             raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head}).")
         if self.mlp_hidden is None:
             self.mlp_hidden = 32 * ((8 * self.n_embd // 3 + 31) // 32)
+        if self.moe_hidden is None:
+            self.moe_hidden = self.mlp_hidden
+        if self.n_expert and not 1 <= self.n_expert_per_token <= self.n_expert:
+            raise ValueError(
+                f"n_expert_per_token ({self.n_expert_per_token}) must be between 1 and n_expert ({self.n_expert})."
+            )
 
     @property
     def head_dim(self) -> int:
@@ -101,13 +111,65 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nn.Module):
+    """Every expert's SwiGLU weights as 3-D tensors (expert, out, in), called with the tokens, each token's chosen
+    experts and their routing weights: the layout and call transformers' MoE models use."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        assert cfg.moe_hidden is not None
+        self.num_experts = cfg.n_expert
+        self.gate_up_proj = nn.Parameter(torch.empty(cfg.n_expert, 2 * cfg.moe_hidden, cfg.n_embd))
+        self.down_proj = nn.Parameter(torch.empty(cfg.n_expert, cfg.n_embd, cfg.moe_hidden))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's default for each expert's matrices: uniform in +-1/sqrt(fan_in).
+        for weight in (self.gate_up_proj, self.down_proj):
+            bound = weight.shape[-1] ** -0.5
+            nn.init.uniform_(weight, -bound, bound)
+
+    def forward(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """Top-k routing (softmax, the chosen weights renormalized) over ``Experts``. ``aux_loss`` holds the last
+    forward's load-balancing loss (Switch Transformer's n_expert x sum of token fraction x mean probability), for
+    the training step to add."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.n_expert_per_token
+        self.router = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
+        self.experts = Experts(cfg)
+        self.aux_loss: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        n_expert = probs.shape[-1]
+        fraction = torch.bincount(index.flatten(), minlength=n_expert).to(probs.dtype) / x.shape[0]
+        self.aux_loss = n_expert * (fraction * probs.mean(dim=0)).sum()
+        return self.experts(x, index, weights).reshape(shape)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MoE(cfg) if cfg.n_expert else MLP(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -146,3 +208,8 @@ class GPT(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
+
+    def aux_loss(self) -> Tensor:
+        """The MoE layers' load-balancing losses of the last forward, summed (0 for a dense model)."""
+        losses = [m.aux_loss for m in self.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else self.lm_head.weight.new_zeros(())

@@ -26,13 +26,16 @@ class GPTModule(LightningModule):
         weight_decay: float = 0.1,
         warmup_steps: int = 20,
         total_steps: int = 1000,
+        n_expert: int = 0,
+        n_expert_per_token: int = 2,
+        moe_aux_loss_coef: float = 0.01,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(
             GPTConfig(
                 vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                n_kv_head=n_kv_head, n_embd=n_embd,
+                n_kv_head=n_kv_head, n_embd=n_embd, n_expert=n_expert, n_expert_per_token=n_expert_per_token,
             )
         )
         self.val_ppl = Perplexity()
@@ -47,6 +50,10 @@ class GPTModule(LightningModule):
         x, y = batch
         loss = self._loss(self(x), y)
         self.log("train/loss", loss, prog_bar=True)
+        if self.hparams.n_expert and self.hparams.moe_aux_loss_coef:
+            aux = self.model.aux_loss()
+            self.log("train/aux_loss", aux)
+            loss = loss + self.hparams.moe_aux_loss_coef * aux
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:

@@ -17,7 +17,6 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -91,6 +90,10 @@ class LLMParallelStrategy(MeshStrategy):
             the sequence and causal SDPA attention runs over the ranks (see docs/context-parallel.md).
         context_parallel_mode: 'ring' (default; torch's ring attention, head-tail load balanced) or 'ulysses'
             (all-to-all from sequence to head shards; heads must divide by context_parallel).
+        expert_parallel: data-parallel ranks that split every MoE layer's experts; tokens travel to their
+            experts with all-to-all (see docs/expert-parallel.md).
+        expert_capacity_factor: each expert takes at most this multiple of its even share of a rank's tokens;
+            the rest are dropped (logged as moe/dropped_tokens). None (default): no token is dropped.
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
     """
 
@@ -124,6 +127,8 @@ class LLMParallelStrategy(MeshStrategy):
         pipeline_check: bool = True,
         context_parallel: int = 1,
         context_parallel_mode: Literal["ring", "ulysses"] = "ring",
+        expert_parallel: int = 1,
+        expert_capacity_factor: float | None = None,
         start_method: START_METHODS = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -149,14 +154,10 @@ class LLMParallelStrategy(MeshStrategy):
         self.context_parallel: ContextParallel | None = None
         self.parallel_config = ParallelConfig(
             sequence_parallel=sequence_parallel, tp_plan=dict(tp_plan or {}), cpu_offload=cpu_offload,
-            gradient_compression=options.compression,
+            gradient_compression=options.compression, expert_capacity_factor=expert_capacity_factor,
         )
-        self._start_method = start_method
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._layout: ParallelLayout | None = None
-        self._device_mesh: DeviceMesh | None = None
-        self._dp_mesh: DeviceMesh | None = None
+        self._start_method, self._process_group_backend, self._timeout = start_method, process_group_backend, timeout
+        self._layout, self._device_mesh, self._dp_mesh = None, None, None
         self.num_nodes = 1
         # The sharding backend is an object this strategy holds; the precision plugin given so far is converted
         # again for it (the DeepSpeed engine runs precision itself).

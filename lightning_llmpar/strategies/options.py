@@ -11,7 +11,7 @@ from lightning_llmpar.checkpointing.litgpt import check_litgpt_directory
 from lightning_llmpar.context_parallel.attention import MODES as CP_MODES
 from lightning_llmpar.data_parallel.compression.methods import CompressionConfig
 from lightning_llmpar.layout import ZERO_STAGES
-from lightning_llmpar.pipeline.setup import PipelineConfig
+from lightning_llmpar.pipeline.setup import ZERO_BUBBLE_SCHEDULES, PipelineConfig
 from lightning_llmpar.training.loss_normalization import count_target_tokens
 
 __all__ = ["START_METHODS", "BACKENDS", "StrategyOptions", "validate_options"]
@@ -84,6 +84,34 @@ def _check_context_parallel(a: dict[str, Any]) -> None:
         )
 
 
+def _check_expert_parallel(a: dict[str, Any]) -> None:
+    positive_int("expert_parallel", a["expert_parallel"])
+    factor = a["expert_capacity_factor"]
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0):
+        raise ValueError(
+            f"LLMParallelStrategy: `expert_capacity_factor` must be a positive number (1.25 lets each expert take 25%"
+            f" more than its even share of tokens) or None (drop nothing), got {factor!r}."
+        )
+    if a["expert_parallel"] == 1:
+        return
+    others = {
+        "context_parallel": a["context_parallel"] > 1,
+        "sharding_backend='deepspeed'": a["sharding_backend"] == "deepspeed",
+        "gradient_compression": a["gradient_compression"] is not None,
+        f"pipeline_schedule={a['pipeline_schedule']!r}": a["pipeline_parallel"] > 1 and a["pipeline_schedule"] in
+        ZERO_BUBBLE_SCHEDULES,
+    }
+    clash = [name for name, on in others.items() if on]
+    if clash:
+        raise ValueError(
+            f"LLMParallelStrategy: expert_parallel={a['expert_parallel']} does not combine with {', '.join(clash)}:"
+            " experts are their own FSDP units over the data-parallel ranks outside the expert-parallel group, which"
+            " the DeepSpeed engine, the compression hooks and the zero-bubble schedules (split weight gradients) do"
+            " not handle. Use expert_parallel with tensor_parallel, data_parallel (ZeRO 0-3) and the pipeline"
+            " schedules GPipe, 1F1B, Interleaved1F1B or LoopedBFS."
+        )
+
+
 def _check_pipeline(a: dict[str, Any]) -> PipelineConfig:
     if a["pipeline_parallel"] == 1:
         # Options of a pipeline that does not exist would be silently ignored.
@@ -140,6 +168,7 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
     """Check the strategy's keyword arguments ``a`` (names as in ``LLMParallelStrategy.__init__``)."""
     _check_degrees(a)
     _check_context_parallel(a)
+    _check_expert_parallel(a)
     pipeline = _check_pipeline(a)
     deepspeed, compression = _check_backend(a)
     hf = str(check_hf_directory(a["hf_checkpoint"])) if a["hf_checkpoint"] is not None else None
@@ -160,7 +189,7 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
     if a["tp_plan"] is not None and not isinstance(a["tp_plan"], Mapping):
         raise ValueError(f"`tp_plan` must map module-name patterns to style names, got {type(a['tp_plan']).__name__}.")
     degrees = {k: a[k] for k in ("tensor_parallel", "pipeline_parallel", "data_parallel", "data_parallel_replicate",
-                                 "zero_stage", "context_parallel")}
+                                 "zero_stage", "context_parallel", "expert_parallel")}
     count = None if norm == "mean" else count_target_tokens if norm == "tokens" else norm
     return StrategyOptions(degrees, pipeline, a["sharding_backend"], compression, deepspeed, hf, litgpt, stack,
                            a["pipeline_check"], count, a["context_parallel_mode"])

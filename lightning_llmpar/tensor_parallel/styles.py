@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -202,7 +203,10 @@ class SplitExperts(ParallelStyle):
         def after(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             for name in names:
                 mod._parameters[name] = held.pop(name)  # type: ignore[assignment]
-            return _to_dtensor(output, device_mesh, Partial(), Replicate()).to_local()
+            out = _to_dtensor(output, device_mesh, Partial(), Replicate()).to_local()
+            # A view returned from an FSDP unit (experts under expert parallelism) loses FSDP's pre-backward hook
+            # if the model then updates it in place.
+            return out.clone() if isinstance(mod, FSDPModule) and out._is_view() else out
 
         module.register_forward_pre_hook(before, with_kwargs=True)
         module.register_forward_hook(after, with_kwargs=True)

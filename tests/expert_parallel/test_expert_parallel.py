@@ -1,0 +1,144 @@
+"""Expert parallelism reproduces one process: every MoE layer's experts split over data-parallel ranks, tokens
+sent to them and back with all-to-all; alone and with ZeRO-3, tensor and pipeline parallelism, on transformers'
+Mixtral and Qwen3-MoE and on the example GPT's MoE option.
+
+Cases of one world size share a launch; each one-process reference is computed once.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_llmpar import LLMParallelStrategy
+from lightning_llmpar.expert_parallel import apply_expert_parallel
+from lightning_llmpar.expert_parallel.dispatch import route
+from lightning_llmpar.models.gpt import GPT, GPTConfig
+from tests.distributed import run_ranks
+from tests.zoo import SEQ, assert_exact, fit_cases
+
+pytest.importorskip("transformers")
+
+STEPS = 8
+EP2 = {"expert_parallel": 2}
+# (model, strategy kwargs, per-rank batch, options); the global batch is 8 everywhere.
+CASES: dict[int, list[tuple]] = {
+    2: [
+        ("gpt_moe", EP2, 4, {"tag": "ep2"}),
+        ("mixtral", EP2, 4, {"tag": "ep2"}),
+        ("qwen3_moe", dict(EP2, zero_stage=3), 4, {"tag": "ep2_zero3"}),
+        # 4 x the even share: no expert can overflow (a token picks an expert once), so nothing drops
+        ("gpt_moe", dict(EP2, expert_capacity_factor=4.0), 4, {"tag": "ep2_capacity"}),
+        ("gpt_moe", dict(EP2, expert_capacity_factor=0.5), 4, {"tag": "ep2_drops", "reference": False}),
+    ],
+    4: [
+        ("mixtral", dict(EP2, tensor_parallel=2), 4, {"tag": "ep2_tp2"}),
+        ("qwen3_moe", dict(EP2, zero_stage=3), 2, {"tag": "ep2_dp4_zero3"}),  # experts sharded over the other 2
+        ("gpt_moe", dict(EP2, pipeline_parallel=2), 4, {"tag": "ep2_pp2"}),
+    ],
+    8: [("mixtral", dict(EP2, tensor_parallel=2, pipeline_parallel=2, zero_stage=2), 4, {"tag": "ep2_tp2_pp2_zero2"})],
+}
+EXACT = [(w, c[0], c[3]["tag"]) for w, cases in CASES.items() for c in cases if c[3].get("reference", True)]
+
+
+def _options(world: int, name: str, tag: str) -> dict[str, Any]:
+    return next(c[3] for c in CASES[world] if c[0] == name and c[3]["tag"] == tag)
+
+
+@cache
+def references() -> dict[tuple[str, str], Any]:
+    names = sorted({name for _, name, _ in EXACT})
+    return run_ranks(fit_cases, 1, [(name, None, 8, {"steps": STEPS, "tag": "ref"}) for name in names], timeout=900)[0]
+
+
+@cache
+def results(world: int) -> list[dict[tuple[str, str], Any]]:
+    cases = [(name, kwargs, batch, {"steps": STEPS, "tag": options["tag"]}) for name, kwargs, batch, options in CASES[world]]
+    return run_ranks(fit_cases, world, cases, timeout=1200)
+
+
+@pytest.mark.parametrize("world, name, tag", EXACT)
+def test_expert_parallel_is_exact(world: int, name: str, tag: str) -> None:
+    outs = [r[(name, tag)] for r in results(world)]
+    assert_exact(references()[(name, "ref")], outs, sharded=False)
+    # The experts are split: no rank holds all of the model.
+    assert all(o["held"] < 0.9 for o in outs), [o["held"] for o in outs]
+
+
+def test_routing_metrics_count_every_assignment() -> None:
+    outs = [r[("gpt_moe", "ep2")] for r in results(2)]
+    per_step = 8 * SEQ * 2 * 4  # tokens x top-2 x 4 MoE layers
+    for out in outs:
+        for metrics in out["metrics"]:
+            assert sum(v for k, v in metrics.items() if k.startswith("moe/expert_")) == per_step
+            assert metrics["moe/dropped_tokens"] == 0 and metrics["moe/imbalance"] >= 1
+            assert metrics["ep/bytes_sent"] > 0
+    assert outs[0]["metrics"] == outs[1]["metrics"] or all(
+        a["moe/expert_0_tokens"] == b["moe/expert_0_tokens"] for a, b in zip(outs[0]["metrics"], outs[1]["metrics"])
+    )
+
+
+def test_capacity_drops_tokens_and_says_so() -> None:
+    outs = [r[("gpt_moe", "ep2_drops")] for r in results(2)]
+    for out in outs:
+        assert "error" not in out, out.get("error")
+        last = out["metrics"][-1]
+        assert last["moe/dropped_tokens"] > 0 and 0 < last["moe/dropped_fraction"] < 1
+        assert all(torch.isfinite(torch.tensor(loss)) for loss in out["losses"])
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+
+
+def test_capacity_keeps_the_first_tokens_of_each_expert() -> None:
+    index = torch.tensor([[0, 1], [0, 1], [0, 2], [0, 3]])  # expert 0 is everyone's first choice
+    weights = torch.full((4, 2), 0.5)
+    routing = route(index, weights, num_experts=4, group=None, ep=1, capacity_factor=1.0)  # capacity 2
+    assert routing.counts.tolist() == [4, 2, 1, 1] and routing.dropped == 2
+    assert routing.tokens.tolist() == [0, 1, 0, 1, 2, 3]  # expert 0 keeps tokens 0 and 1
+    assert routing.local_experts.tolist() == [0, 0, 1, 1, 2, 3]
+
+
+def test_aux_loss_reaches_the_router() -> None:
+    model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_kv_head=1, n_embd=16, n_expert=4))
+    model(torch.randint(0, 32, (2, 8)))
+    aux = model.aux_loss()
+    aux.backward()
+    assert aux.item() > 0 and model.layers[0].mlp.router.weight.grad.abs().sum() > 0
+
+
+def test_model_without_experts_is_refused() -> None:
+    with pytest.raises(ValueError, match="GPT has none"):
+        apply_expert_parallel(GPT(GPTConfig(n_layer=1)), None, 1.25)
+
+
+def test_experts_not_divisible_by_ep_are_refused() -> None:
+    from lightning_llmpar.expert_parallel.apply import check_experts, find_experts
+
+    model = GPT(GPTConfig(n_layer=1, n_expert=3))
+    with pytest.raises(ValueError, match=r"has 3 experts, not divisible by expert_parallel\(2\)"):
+        check_experts(find_experts(model), 2)
+
+
+def test_bad_combinations_are_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="expert_parallel=2 does not combine with context_parallel"):
+        LLMParallelStrategy(expert_parallel=2, context_parallel=2)
+    with pytest.raises(ValueError, match="pipeline_schedule='ZBVZeroBubble'"):
+        LLMParallelStrategy(expert_parallel=2, pipeline_parallel=2, pipeline_schedule="ZBVZeroBubble")
+    with pytest.raises(ValueError, match="expert_capacity_factor"):
+        LLMParallelStrategy(expert_capacity_factor=0)
+    with pytest.raises(ValueError, match="positive integer"):
+        LLMParallelStrategy(expert_parallel=0)
+
+
+def test_ep_not_dividing_the_data_parallel_ranks_is_refused_before_launch() -> None:
+    from lightning.pytorch import Trainer
+
+    with pytest.raises(ValueError, match=r"expert_parallel\(4\) must divide .* dp_replicate\(2\)"):
+        Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(expert_parallel=4), logger=False)
+    with pytest.raises(ValueError, match=r"expert_parallel\(2\) must divide .* dp_shard\(1\)"):
+        Trainer(accelerator="cpu", devices=2, logger=False,
+                strategy=LLMParallelStrategy(expert_parallel=2, zero_stage=3, data_parallel_replicate=2))
