@@ -68,6 +68,16 @@ def test_cli_override_to_pipeline_parallel_draws_the_timeline(tmp_path: Path) ->
     _assert_logged(report, ("train/loss", "val/ppl", "pipeline/bubble_fraction", "pipeline/timeline"))
 
 
+def test_cli_mixture_of_experts_under_expert_parallel_logs_its_routing(tmp_path: Path) -> None:
+    report = _train_from_single(
+        tmp_path, "--trainer.strategy.expert_parallel", "2", "--model.n_expert", "4", "--trainer.max_steps", "4",
+        "--trainer.val_check_interval", "2", "--trainer.log_every_n_steps", "2",
+    )
+    assert "ep=2" in report["layout"]
+    _assert_logged(report, ("train/aux_loss", "moe/expert_0_tokens", "moe/expert_3_tokens", "moe/imbalance",
+                            "moe/dropped_tokens", "ep/bytes_sent", "val/ppl"))
+
+
 @pytest.fixture(scope="module")
 def tiny_pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The example's "pretrained" Hugging Face checkpoint, written offline as its header says."""
@@ -106,6 +116,7 @@ def test_example_configs_build_a_valid_trainer(config: Path, request: pytest.Fix
     assert strategy.layout.tp == degrees.get("tensor_parallel", 1)
     assert strategy.layout.zero_stage == degrees.get("zero_stage", 0)
     assert strategy.layout.cp == degrees.get("context_parallel", 1)
+    assert strategy.layout.ep == degrees.get("expert_parallel", 1)
     for plugin in spec.get("plugins", []):
         assert type(cli.trainer.precision_plugin).__name__ == plugin["class_path"].rsplit(".", 1)[1]
 

@@ -142,3 +142,36 @@ def test_ep_not_dividing_the_data_parallel_ranks_is_refused_before_launch() -> N
     with pytest.raises(ValueError, match=r"expert_parallel\(2\) must divide .* dp_shard\(1\)"):
         Trainer(accelerator="cpu", devices=2, logger=False,
                 strategy=LLMParallelStrategy(expert_parallel=2, zero_stage=3, data_parallel_replicate=2))
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def test_pretrained_weights_in_and_out_and_resume_across_layouts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Mixtral from a transformers directory on the meta device (each rank reads its own experts), exported from
+    ep2 as one process trains it; a Lightning checkpoint saved at ep2 (AdamW state too) resumes in one process
+    and at tp2, continuing like one process's own save and resume."""
+    from tests.zoo import logits_of, save_pretrained
+
+    name, adam = "mixtral", {"sgd": False}
+    run_ranks(save_pretrained, 1, name, str(tmp_path / "hf"))
+    pretrained = {"pretrained": str(tmp_path / "hf"), "steps": 3}
+    run_ranks(fit_cases, 1, [(name, None, 8, {**pretrained, "save_hf": str(tmp_path / "ref")}),
+                             (name, None, 8, {**adam, "steps": 3, "save_to": str(tmp_path / "plain.ckpt"), "tag": "a"})])
+    whole = run_ranks(fit_cases, 1, [(name, None, 8, {**adam, "steps": 6, "ckpt_path": str(tmp_path / "plain.ckpt")})])[0]
+    outs = run_ranks(fit_cases, 2, [
+        (name, EP2, 4, {**pretrained, "meta": True, "save_hf": str(tmp_path / "ep2")}),
+        (name, EP2, 4, {**adam, "steps": 3, "save_to": str(tmp_path / "ep2.ckpt"), "tag": "save"}),
+    ])
+    for out in outs:
+        assert all("error" not in r for r in out.values()), [r["error"] for r in out.values() if "error" in r]
+    ours, theirs = run_ranks(logits_of, 1, str(tmp_path / "ep2"))[0], run_ranks(logits_of, 1, str(tmp_path / "ref"))[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    for kwargs, world in (({}, 1), ({"tensor_parallel": 2}, 2)):
+        resumed = run_ranks(fit_cases, world, [(name, kwargs, 8, {**adam, "steps": 6, "ckpt_path": str(tmp_path / "ep2.ckpt")})])
+        results = [r[(name, repr(kwargs))] for r in resumed]
+        for r in results:
+            assert "error" not in r, r["error"]
+        for i in range(3):
+            loss = sum(r["losses"][i] for r in results) / len(results)
+            assert abs(loss - whole[(name, "None")]["losses"][i]) < 1e-5, (kwargs, i, loss)
