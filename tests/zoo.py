@@ -41,6 +41,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "bloom": ("BloomConfig", {"n_layer": 4, "n_head": 4}),
     "granite": ("GraniteConfig", {}),
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 32}),
 }
 
 
