@@ -40,6 +40,7 @@ class ContextParallel:
         self.active = False  # from a training step's start through its backward (recomputation calls attention)
         self.shard: SequenceShard | None = None
         self.loss_weight = 1.0
+        self.no_local_targets = False
         self.attention_calls = 0
         self.checked = False
         self._sdpa = F.scaled_dot_product_attention
@@ -92,13 +93,14 @@ class ContextParallel:
         """Cut ``batch`` for this rank and weigh its loss by its share of the step's valid targets."""
         self.active, self.attention_calls = True, 0
         batch, self.shard = shard_batch(batch, self.cp, self.rank, self.mode)
-        self.loss_weight = 1.0
+        self.loss_weight, self.no_local_targets = 1.0, False
         if self.shard is not None and self.shard.targets is not None:
             # Each cp rank's loss is a mean over its own valid targets; weighing it by cp x (its count / all
             # ranks' count) makes the average that FSDP takes over cp the mean over every target of the sequences.
             counts = torch.tensor([float((self.shard.targets != IGNORE_INDEX).sum())], dtype=torch.float64,
                                   device=self.shard.targets.device)
             local = float(counts)
+            self.no_local_targets = local == 0
             dist.all_reduce(counts, group=self.mesh.get_group())
             self.loss_weight = self.cp * local / float(counts) if float(counts) > 0 else 0.0
         return batch
@@ -145,6 +147,10 @@ class ContextParallel:
             if shifted is not None:
                 kwargs["shift_labels"] = shifted
                 self.shard.labels_seen = True
+                if self.no_local_targets and kwargs.get("num_items_in_batch") is None:
+                    # Every target of this rank's part is ignored: a mean over none is 0/0 and its gradient NaN. A sum
+                    # over none divided by 1 is 0 with zero gradients, and this rank's loss weight is 0 anyway.
+                    kwargs["num_items_in_batch"] = 1
         return args, kwargs
 
     def _attention(self, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Tensor:

@@ -152,6 +152,7 @@ class FSDP2Backend(ShardingBackend):
                 policy.param_dtype if policy is not None else None, check=self._split_check(trainer, module),
             )
             stage_roots = list(self.runner.stage_modules.values())
+            self.runner.context_parallel = s.context_parallel
             self.runner.scale_loss = getattr(s.precision_plugin, "scale_loss", None)
         checkpointing = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)
         self.parallelized = parallelize(module, s.layout, s.device_mesh, s.parallel_config, stage_roots, checkpointing)

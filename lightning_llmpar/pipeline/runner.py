@@ -66,6 +66,8 @@ class PipelineRunner:
         self.scale_loss: Callable[[Tensor], Tensor] | None = None
         self.timeline: list[tuple[int, str, int, float, float]] = []  # (stage, kind, microbatch, t0, t1)
         self.step_window: tuple[float, float] = (0.0, 0.0)
+        # Context parallelism: each stage cuts every microbatch along the sequence (see context_parallel.apply).
+        self.context_parallel: Any = None
 
     # ------------------------------------------------------------------ stages and schedules
 
@@ -186,6 +188,10 @@ class PipelineRunner:
         # stage's input replaces their output). Those after it are stand-ins already on ranks without the last.
         stand_ins = {name: stand_in for name, (_, stand_in) in self._swaps.items()} if stage != 0 else {}
 
+        full, cp = batch, self.context_parallel if self._method == "training_step" else None
+        if cp is not None:  # every stage runs the step on the microbatch, so every stage cuts it the same way
+            batch = cp.begin_step(batch)
+
         def call() -> Any:
             with frozen_metrics(self.module) if self._inferring else nullcontext():
                 return getattr(self.module, self._method)(batch, *self._step_args)
@@ -193,12 +199,17 @@ class PipelineRunner:
         cut, out = stage_program(self.module, self.blocks, self.layout.block_ranges[stage], last, incoming, stand_ins, call)
         if cut:
             return out
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if cp is not None:
+            # This microbatch's share of the cp group's targets; the step's result is the weighted loss (its mean
+            # over the cp ranks is one process's).
+            loss = loss * cp.loss_weight
+            out = {**out, "loss": loss} if isinstance(out, dict) else loss
         if not self._inferring:
             self._outputs.append(out)
-        loss = out.get("loss") if isinstance(out, dict) else out
         if self._method == "training_step":
             if self.tokens is not None:
-                return loss * (self.tokens.count(batch) if self._inferring else self.tokens.add(batch))
+                return loss * (self.tokens.count(full) if self._inferring else self.tokens.add(full))
             return loss
         # Eval steps return nothing the schedule needs, but it concatenates last-stage outputs.
         return torch.zeros(1, device=self.device)
@@ -233,7 +244,8 @@ class PipelineRunner:
         with self._capture_logs():
             if training:
                 self._stash_grads()
-                schedule.step(target=placeholder, return_outputs=False, **{BATCH_KWARG: batch})
+                with self._context_parallel_step():
+                    schedule.step(target=placeholder, return_outputs=False, **{BATCH_KWARG: batch})
                 if self.ties is not None:
                     self.ties.sum_grads()  # copies of a tied weight on several stages: one gradient
                 self._take_new_grads()
@@ -242,6 +254,19 @@ class PipelineRunner:
         self.step_window = (start, time.perf_counter())
         self._replay_logs()
         return self._result(method)
+
+    @contextmanager
+    def _context_parallel_step(self) -> Iterator[None]:
+        cp = self.context_parallel
+        if cp is None:
+            yield
+            return
+        cp.active = True  # through the schedule's backward too: recomputation runs attention again
+        try:
+            yield
+            cp.end_forward("training_step")
+        finally:
+            cp.active, cp.loss_weight = False, 1.0  # the weights are in the microbatch losses already
 
     def _result(self, method: str) -> Any:
         """What the step returned, as one process would see it, on every rank: the microbatch outputs of the

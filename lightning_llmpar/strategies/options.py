@@ -71,7 +71,6 @@ def _check_context_parallel(a: dict[str, Any]) -> None:
     if a["context_parallel"] == 1:
         return
     others = {
-        "pipeline_parallel": a["pipeline_parallel"] > 1,
         "sharding_backend='deepspeed'": a["sharding_backend"] == "deepspeed",
         "gradient_compression": a["gradient_compression"] is not None,
     }
@@ -79,8 +78,9 @@ def _check_context_parallel(a: dict[str, Any]) -> None:
     if clash:
         raise ValueError(
             f"LLMParallelStrategy: context_parallel={a['context_parallel']} does not combine with {', '.join(clash)}"
-            " yet (each rank's loss weight and the sequence cut live outside the pipeline schedule and the DeepSpeed"
-            " engine). Use tensor_parallel and data_parallel with context_parallel, or context_parallel=1."
+            " yet (each rank's loss weight and the sequence cut live outside the DeepSpeed engine and the compression"
+            " hooks). Use tensor_parallel, pipeline_parallel and data_parallel with context_parallel, or"
+            " context_parallel=1."
         )
 
 
