@@ -240,6 +240,7 @@ def fit_case(
     accumulate: int = 1,
     precision: Any = None,
     samples: int = SAMPLES,
+    checkpointing: str | None = None,
 ) -> dict[str, Any]:
     """Train zoo model ``name`` for ``steps``; ``strategy_kwargs=None`` is the one-process reference.
 
@@ -265,7 +266,7 @@ def fit_case(
         devices=1 if strategy_kwargs is None else world,
         strategy="auto" if strategy_kwargs is None else LLMParallelStrategy(**kwargs),
         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False, callbacks=[record],
+        enable_model_summary=False, use_distributed_sampler=False, callbacks=[record, *_checkpointing(checkpointing)],
         gradient_clip_val=clip, accumulate_grad_batches=accumulate, plugins=plugins, precision=precision_flag,
     )
     with trainer.init_module(empty_init=meta) if strategy_kwargs is not None else nullcontext():
@@ -302,6 +303,15 @@ def fit_case(
             params[aliases.get(pname, pname)] = to_canonical(value, packings[pname]) if pname in packings else value
     return {"losses": record.losses, "grads": record.grads, "held": held / total, "param_dtype": str(dtype),
             "plugin": type(trainer.precision_plugin).__name__, "params": params, "metrics": record.metrics}
+
+
+def _checkpointing(mode: str | None) -> list[Callback]:
+    """Activation checkpointing of every block (``mode``: 'full' or 'selective'), as a user adds the callback."""
+    if mode is None:
+        return []
+    from lightning_llmpar import ActivationCheckpointing
+
+    return [ActivationCheckpointing(mode=mode)]
 
 
 def _precision(spec: Any) -> tuple[list[Any] | None, Any]:
