@@ -91,6 +91,13 @@ class _Measure(Callback):
         self.times.append(time.perf_counter() - self.start)
 
 
+def _fit(strategy: Any, devices: int, measure: _Measure, module: Any, data: Any, steps: int) -> None:
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      use_distributed_sampler=False, callbacks=[measure], limit_val_batches=0)
+    trainer.fit(module, datamodule=data)
+
+
 def _run(seqs: list[int], steps: int) -> list[dict[str, Any]]:
     """On each rank of one launch (its size is the cp degree): a short run per sequence length."""
     env = dict(os.environ)
@@ -101,11 +108,8 @@ def _run(seqs: list[int], steps: int) -> list[dict[str, Any]]:
         seed_everything(0, verbose=False)
         measure = _Measure()
         strategy: Any = "auto" if cp == 1 else LLMParallelStrategy(context_parallel=cp)
-        trainer = Trainer(accelerator="cpu", devices=cp, strategy=strategy, max_steps=steps, logger=False,
-                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          use_distributed_sampler=False, callbacks=[measure], limit_val_batches=0)
-        module = GPTModule(**MODEL, block_size=seq, learning_rate=1e-3, warmup_steps=1, total_steps=steps)
-        trainer.fit(module, datamodule=_Tokens(seq, steps))
+        _fit(strategy, cp, measure, GPTModule(**MODEL, block_size=seq, learning_rate=1e-3, warmup_steps=1,
+                                              total_steps=steps), _Tokens(seq, steps), steps)
         rows.append({"seq": seq, "saved_bytes": measure.saved_bytes, "step_s": statistics.median(measure.times[1:])})
     return rows
 
@@ -122,12 +126,8 @@ def _run_ep(eps: list[int], seq: int, batch: int, steps: int) -> list[dict[str, 
         os.environ.update(env)
         seed_everything(0, verbose=False)
         measure = _Measure(saved=False)
-        trainer = Trainer(accelerator="cpu", devices=world, strategy=LLMParallelStrategy(expert_parallel=ep),
-                          max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                          enable_model_summary=False, use_distributed_sampler=False, callbacks=[measure],
-                          limit_val_batches=0)
         module = GPTModule(**MOE, block_size=seq, learning_rate=1e-3, warmup_steps=1, total_steps=steps)
-        trainer.fit(module, datamodule=_Tokens(seq, steps * world, batch))
+        _fit(LLMParallelStrategy(expert_parallel=ep), world, measure, module, _Tokens(seq, steps * world, batch), steps)
 
         def local_bytes(params: Any) -> int:
             return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in params)

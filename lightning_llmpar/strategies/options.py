@@ -62,6 +62,12 @@ def _check_degrees(a: dict[str, Any]) -> None:
         )
 
 
+def _refuse_clashes(what: str, others: dict[str, bool], why: str) -> None:
+    clash = [name for name, on in others.items() if on]
+    if clash:
+        raise ValueError(f"LLMParallelStrategy: {what} does not combine with {', '.join(clash)}{why}")
+
+
 def _check_context_parallel(a: dict[str, Any]) -> None:
     positive_int("context_parallel", a["context_parallel"])
     if a["context_parallel_mode"] not in CP_MODES:
@@ -74,14 +80,11 @@ def _check_context_parallel(a: dict[str, Any]) -> None:
         "sharding_backend='deepspeed'": a["sharding_backend"] == "deepspeed",
         "gradient_compression": a["gradient_compression"] is not None,
     }
-    clash = [name for name, on in others.items() if on]
-    if clash:
-        raise ValueError(
-            f"LLMParallelStrategy: context_parallel={a['context_parallel']} does not combine with {', '.join(clash)}"
-            " yet (each rank's loss weight and the sequence cut live outside the DeepSpeed engine and the compression"
-            " hooks). Use tensor_parallel, pipeline_parallel and data_parallel with context_parallel, or"
-            " context_parallel=1."
-        )
+    _refuse_clashes(
+        f"context_parallel={a['context_parallel']}", others,
+        " yet (each rank's loss weight and the sequence cut live outside the DeepSpeed engine and the compression"
+        " hooks). Use tensor_parallel, pipeline_parallel and data_parallel with context_parallel, or context_parallel=1.",
+    )
 
 
 def _check_expert_parallel(a: dict[str, Any]) -> None:
@@ -101,15 +104,13 @@ def _check_expert_parallel(a: dict[str, Any]) -> None:
         f"pipeline_schedule={a['pipeline_schedule']!r}": a["pipeline_parallel"] > 1 and a["pipeline_schedule"] in
         ZERO_BUBBLE_SCHEDULES,
     }
-    clash = [name for name, on in others.items() if on]
-    if clash:
-        raise ValueError(
-            f"LLMParallelStrategy: expert_parallel={a['expert_parallel']} does not combine with {', '.join(clash)}:"
-            " experts are their own FSDP units over the data-parallel ranks outside the expert-parallel group, which"
-            " the DeepSpeed engine, the compression hooks and the zero-bubble schedules (split weight gradients) do"
-            " not handle. Use expert_parallel with tensor_parallel, data_parallel (ZeRO 0-3) and the pipeline"
-            " schedules GPipe, 1F1B, Interleaved1F1B or LoopedBFS."
-        )
+    _refuse_clashes(
+        f"expert_parallel={a['expert_parallel']}", others,
+        ": experts are their own FSDP units over the data-parallel ranks outside the expert-parallel group, which the"
+        " DeepSpeed engine, the compression hooks and the zero-bubble schedules (split weight gradients) do not handle."
+        " Use expert_parallel with tensor_parallel, data_parallel (ZeRO 0-3) and the pipeline schedules GPipe, 1F1B,"
+        " Interleaved1F1B or LoopedBFS.",
+    )
 
 
 def _check_pipeline(a: dict[str, Any]) -> PipelineConfig:
