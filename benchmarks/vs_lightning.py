@@ -1,5 +1,7 @@
 """What users would pick instead, side by side: Lightning's DDPStrategy vs zero_stage=0, Lightning's FSDPStrategy and
-ModelParallelStrategy (with a user-written ``fully_shard``) vs zero_stage=3, on the example GPT at dp2.
+ModelParallelStrategy (with a user-written ``fully_shard``) vs zero_stage=3, on the example GPT at dp2;
+ModelParallelStrategy with a hand-written tensor-parallel plan vs tensor_parallel=2; Lightning's DeepSpeedStrategy
+vs sharding_backend='deepspeed' (ZeRO-2).
 
 Every strategy runs inside the same launch of two gloo ranks, in interleaved rounds (A B C ... A B C ...), and
 the median seconds per step (after warm-up) of each is reported with its ratio to the Lightning counterpart
@@ -31,7 +33,9 @@ OUT = Path(__file__).parent / "results" / "vs_lightning.json"
 MODEL = dict(vocab_size=256, block_size=128, n_layer=6, n_head=6, n_kv_head=6, n_embd=384)
 BATCH = 4
 # (ours, theirs): ratio = theirs' seconds per step / ours.
-PAIRS = [("llmpar_zero0", "lightning_ddp"), ("llmpar_zero3", "lightning_fsdp"), ("llmpar_zero3", "lightning_model_parallel")]
+PAIRS = [("llmpar_zero0", "lightning_ddp"), ("llmpar_zero3", "lightning_fsdp"), ("llmpar_zero3", "lightning_model_parallel"),
+         ("llmpar_tp2", "lightning_model_parallel_tp2"), ("llmpar_tp2_no_sp", "lightning_model_parallel_tp2"),
+         ("llmpar_deepspeed_zero2", "lightning_deepspeed_zero2")]
 
 
 class _ShardedGPT(GPTModule):
@@ -46,6 +50,23 @@ class _ShardedGPT(GPTModule):
         fully_shard(self.model, mesh=mesh)
 
 
+class _TensorParallelGPT(GPTModule):
+    """The example GPT as a ModelParallelStrategy user writes tensor parallelism for it: Megatron column / row
+    splits of attention and MLP in every block, per-rank head counts, no sequence parallelism."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = self.device_mesh["tensor_parallel"]
+        plan = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
+                "attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()}
+        for block in self.model.layers:
+            parallelize_module(block, mesh, plan)
+            block.attn.n_head //= mesh.size()
+            block.attn.n_kv_head //= mesh.size()
+
+
 class _Tokens(LightningDataModule):
     """Random token windows, each rank its own half (the same data for every strategy)."""
 
@@ -53,8 +74,8 @@ class _Tokens(LightningDataModule):
         g = torch.Generator().manual_seed(1234)
         tokens = torch.randint(0, MODEL["vocab_size"], (512, MODEL["block_size"] + 1), generator=g)
         data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
-        rank, world = self.trainer.global_rank, self.trainer.world_size
-        return DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, world, rank, shuffle=False))
+        ranks = self.trainer.strategy.distributed_sampler_kwargs  # tensor-parallel ranks read the same batches
+        return DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, **ranks, shuffle=False))
 
 
 class _StepTimes(Callback):
@@ -104,6 +125,18 @@ def _strategy(name: str) -> tuple[Any, type[GPTModule]]:
         return FSDPStrategy(auto_wrap_policy={Block}), GPTModule
     if name == "lightning_model_parallel":
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), _ShardedGPT
+    if name == "llmpar_tp2":
+        return LLMParallelStrategy(tensor_parallel=2), GPTModule
+    if name == "llmpar_tp2_no_sp":  # the hand-written plan's choice: no sequence parallelism
+        return LLMParallelStrategy(tensor_parallel=2, sequence_parallel=False), GPTModule
+    if name == "lightning_model_parallel_tp2":
+        return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), _TensorParallelGPT
+    if name == "llmpar_deepspeed_zero2":
+        return LLMParallelStrategy(sharding_backend="deepspeed", zero_stage=2), GPTModule
+    if name == "lightning_deepspeed_zero2":
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(stage=2), GPTModule
     raise ValueError(name)
 
 
