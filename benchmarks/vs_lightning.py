@@ -125,6 +125,8 @@ def _strategy(name: str) -> tuple[Any, type[GPTModule]]:
         return FSDPStrategy(auto_wrap_policy={Block}), GPTModule
     if name == "lightning_model_parallel":
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), _ShardedGPT
+    if name.startswith("llmpar_zero") and name.endswith("_compile"):  # see benchmarks/compile_bench.py
+        return LLMParallelStrategy(zero_stage=int(name[len("llmpar_zero")]), compile=True), GPTModule
     if name == "llmpar_tp2":
         return LLMParallelStrategy(tensor_parallel=2), GPTModule
     if name == "llmpar_tp2_no_sp":  # the hand-written plan's choice: no sequence parallelism

@@ -18,6 +18,7 @@ from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.modeling.structure import find_block_stack
 from lightning_llmpar.modeling.ties import find_tied_weights, retie
 from lightning_llmpar.tensor_parallel import Packing, apply_tensor_parallel, infer_tp_plan
+from lightning_llmpar.training.compile import apply_compile
 
 __all__ = ["ParallelConfig", "Parallelized", "parallelize"]
 
@@ -37,6 +38,8 @@ class ParallelConfig:
     gradient_compression: CompressionConfig | None = None
     # Cut each expert at this multiple of its even share of a rank's tokens (see expert_parallel.dispatch).
     expert_capacity_factor: float | None = None
+    # torch.compile each block (see training.compile).
+    compile: bool = False
 
 
 @dataclass
@@ -78,6 +81,8 @@ def parallelize(
         done.expert_parallel = apply_expert_parallel(model, expert_mesh, config.expert_capacity_factor)
     if checkpointing is not None:
         checkpointing.apply(model, mesh)
+    if config.compile:
+        apply_compile(model)  # after checkpointing wrapped the blocks, before FSDP2's hooks
     if not (layout.dp * layout.cp > 1 or config.cpu_offload or config.always_shard):
         return done
     # Context-parallel ranks compute gradients of the same parameters from different tokens: FSDP shards over them

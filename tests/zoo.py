@@ -301,7 +301,10 @@ def fit_case(
         for pname, p in module.named_parameters():
             value = full(p).cpu()
             params[aliases.get(pname, pname)] = to_canonical(value, packings[pname]) if pname in packings else value
-    return {"losses": record.losses, "grads": record.grads, "held": held / total, "param_dtype": str(dtype),
+    from torch._dynamo.utils import counters
+
+    return {"compiled_frames": counters["frames"]["ok"],
+            "losses": record.losses, "grads": record.grads, "held": held / total, "param_dtype": str(dtype),
             "plugin": type(trainer.precision_plugin).__name__, "params": params, "metrics": record.metrics}
 
 

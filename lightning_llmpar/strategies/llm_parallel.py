@@ -94,6 +94,7 @@ class LLMParallelStrategy(MeshStrategy):
             experts with all-to-all (see docs/expert-parallel.md).
         expert_capacity_factor: each expert takes at most this multiple of its even share of a rank's tokens;
             the rest are dropped (logged as moe/dropped_tokens). None (default): no token is dropped.
+        compile: ``torch.compile`` each block of the model's block stack (in place, per block, as torchtitan).
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
     """
 
@@ -129,6 +130,7 @@ class LLMParallelStrategy(MeshStrategy):
         context_parallel_mode: Literal["ring", "ulysses"] = "ring",
         expert_parallel: int = 1,
         expert_capacity_factor: float | None = None,
+        compile: bool = False,
         start_method: START_METHODS = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -154,7 +156,7 @@ class LLMParallelStrategy(MeshStrategy):
         self.context_parallel: ContextParallel | None = None
         self.parallel_config = ParallelConfig(
             sequence_parallel=sequence_parallel, tp_plan=dict(tp_plan or {}), cpu_offload=cpu_offload,
-            gradient_compression=options.compression, expert_capacity_factor=expert_capacity_factor,
+            gradient_compression=options.compression, expert_capacity_factor=expert_capacity_factor, compile=compile,
         )
         self._start_method, self._process_group_backend, self._timeout = start_method, process_group_backend, timeout
         self._layout, self._device_mesh, self._dp_mesh = None, None, None

@@ -53,7 +53,7 @@ def _check_degrees(a: dict[str, Any]) -> None:
         positive_int("data_parallel_replicate", a["data_parallel_replicate"], allow_auto=True)
     if a["zero_stage"] not in ZERO_STAGES:
         raise ValueError(f"LLMParallelStrategy: `zero_stage` must be one of {ZERO_STAGES}, got {a['zero_stage']!r}.")
-    for name in ("sequence_parallel", "cpu_offload", "pipeline_check"):
+    for name in ("sequence_parallel", "cpu_offload", "pipeline_check", "compile"):
         if not isinstance(a[name], bool):
             raise ValueError(f"LLMParallelStrategy: `{name}` must be True or False, got {a[name]!r}.")
     if a["cpu_offload"] and a["zero_stage"] == 0:
@@ -113,6 +113,17 @@ def _check_expert_parallel(a: dict[str, Any]) -> None:
     )
 
 
+def _check_compile(a: dict[str, Any]) -> None:
+    if not a["compile"]:
+        return
+    _refuse_clashes(
+        "compile=True", {"tensor_parallel": a["tensor_parallel"] > 1, "context_parallel": a["context_parallel"] > 1,
+                         "expert_parallel": a["expert_parallel"] > 1},
+        " yet: their hooks and collectives inside a block are not traced by torch.compile here. Use compile=True"
+        " with data parallelism (ZeRO 0-3), pipeline parallelism and activation checkpointing, or compile=False.",
+    )
+
+
 def _check_pipeline(a: dict[str, Any]) -> PipelineConfig:
     if a["pipeline_parallel"] == 1:
         # Options of a pipeline that does not exist would be silently ignored.
@@ -157,6 +168,11 @@ def _check_backend(a: dict[str, Any]) -> tuple[dict[str, Any], CompressionConfig
             f"gradient_compression={compression!r} configures the 'fsdp2' backend's compressors; with"
             " sharding_backend='deepspeed' use 'onebit_adam' or 'zero_one_adam'."
         )
+    if a["compile"]:
+        raise ValueError(
+            "compile=True compiles the blocks inside the FSDP2 composition; the DeepSpeed engine wraps the model"
+            " itself. Use sharding_backend='fsdp2' (the default) with compile=True, or compile=False."
+        )
     if a["loss_normalization"] != "mean":
         raise ValueError(
             "loss_normalization='tokens' rescales gradients before the optimizer step, which the DeepSpeed engine"
@@ -170,6 +186,7 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
     _check_degrees(a)
     _check_context_parallel(a)
     _check_expert_parallel(a)
+    _check_compile(a)
     pipeline = _check_pipeline(a)
     deepspeed, compression = _check_backend(a)
     hf = str(check_hf_directory(a["hf_checkpoint"])) if a["hf_checkpoint"] is not None else None
