@@ -20,6 +20,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,14 +99,21 @@ def _fit(strategy: Any, devices: int, measure: _Measure, module: Any, data: Any,
     trainer.fit(module, datamodule=data)
 
 
-def _run(seqs: list[int], steps: int) -> list[dict[str, Any]]:
-    """On each rank of one launch (its size is the cp degree): a short run per sequence length."""
+def _each(items: list[Any]) -> Iterator[Any]:
+    """Each item of a launch's runs, after putting back the launch variables (Lightning's teardown removes some)
+    and the seed."""
     env = dict(os.environ)
-    cp = int(env.get("WORLD_SIZE", "1"))
-    rows = []
-    for seq in seqs:
+    for item in items:
         os.environ.update(env)
         seed_everything(0, verbose=False)
+        yield item
+
+
+def _run(seqs: list[int], steps: int) -> list[dict[str, Any]]:
+    """On each rank of one launch (its size is the cp degree): a short run per sequence length."""
+    cp = int(os.environ.get("WORLD_SIZE", "1"))
+    rows = []
+    for seq in _each(seqs):
         measure = _Measure()
         strategy: Any = "auto" if cp == 1 else LLMParallelStrategy(context_parallel=cp)
         _fit(strategy, cp, measure, GPTModule(**MODEL, block_size=seq, learning_rate=1e-3, warmup_steps=1,
@@ -119,12 +127,9 @@ MOE = dict(MODEL, n_expert=8, n_expert_per_token=2)
 
 def _run_ep(eps: list[int], seq: int, batch: int, steps: int) -> list[dict[str, Any]]:
     """On each of the 4 ranks of one launch: a short run per expert-parallel degree (1 = experts replicated)."""
-    env = dict(os.environ)
-    world = int(env.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     rows = []
-    for ep in eps:
-        os.environ.update(env)
-        seed_everything(0, verbose=False)
+    for ep in _each(eps):
         measure = _Measure(saved=False)
         module = GPTModule(**MOE, block_size=seq, learning_rate=1e-3, warmup_steps=1, total_steps=steps)
         _fit(LLMParallelStrategy(expert_parallel=ep), world, measure, module, _Tokens(seq, steps * world, batch), steps)

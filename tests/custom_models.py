@@ -102,24 +102,23 @@ class Unchained(Zipped):
         return out
 
 
-class GPTMoE(LightningModule):
-    """The package's example GPT with mixture-of-experts MLPs (4 experts, top-2), dict batches, its own shifted
-    loss; ``aux`` adds the load-balancing loss."""
+class ShiftedLM(LightningModule):
+    """A user's step on dict batches for a model that returns logits: next-token cross-entropy, shifted by hand,
+    plus ``extra_loss()``; SGD (a wrong gradient scale shows in the loss) or AdamW."""
 
-    def __init__(self, name: str = "", lr: float = 0.5, sgd: bool = True, aux: float = 0.0, **_: Any) -> None:
+    model: nn.Module
+
+    def __init__(self, lr: float = 0.5, sgd: bool = True) -> None:
         super().__init__()
-        from lightning_llmpar.models.gpt import GPT, GPTConfig
+        self.lr, self.sgd = lr, sgd
 
-        self.model = GPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=4, n_head=4, n_kv_head=2, n_embd=WIDTH,
-                                   n_expert=4, n_expert_per_token=2, moe_hidden=48))
-        self.lr, self.sgd, self.aux = lr, sgd, aux
+    def extra_loss(self) -> torch.Tensor | float:
+        return 0.0
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         logits = self.model(batch["input_ids"])
         labels = batch["labels"]
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
-        if self.aux:
-            loss = loss + self.aux * self.model.aux_loss()
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1)) + self.extra_loss()
         self.log("train_loss", loss)
         return loss
 
@@ -127,6 +126,22 @@ class GPTMoE(LightningModule):
         if self.sgd:
             return torch.optim.SGD(self.parameters(), lr=self.lr)
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class GPTMoE(ShiftedLM):
+    """The package's example GPT with mixture-of-experts MLPs (4 experts, top-2); ``aux`` adds the load-balancing
+    loss."""
+
+    def __init__(self, name: str = "", lr: float = 0.5, sgd: bool = True, aux: float = 0.0, **_: Any) -> None:
+        super().__init__(lr, sgd)
+        from lightning_llmpar.models.gpt import GPT, GPTConfig
+
+        self.model = GPT(GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=4, n_head=4, n_kv_head=2, n_embd=WIDTH,
+                                   n_expert=4, n_expert_per_token=2, moe_hidden=48))
+        self.aux = aux
+
+    def extra_loss(self) -> torch.Tensor | float:
+        return self.aux * self.model.aux_loss() if self.aux else 0.0
 
 
 CUSTOM = {"containers": Containers, "zipped": Zipped, "reuses_embedding": ReusesEmbedding, "unchained": Unchained,

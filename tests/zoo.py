@@ -17,6 +17,8 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule, Tr
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from tests.custom_models import ShiftedLM
+
 VOCAB, SEQ, SAMPLES = 64, 16, 64
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=32)
@@ -70,11 +72,11 @@ LITGPT = {
 }
 
 
-class LitGPTModule(LightningModule):
+class LitGPTModule(ShiftedLM):
     """LitGPT's GPT from a small config, as a Lightning user wraps it (logits, their own shifted loss)."""
 
     def __init__(self, name: str, lr: float = 0.5, sgd: bool = True, **_: Any) -> None:
-        super().__init__()
+        super().__init__(lr, sgd)
         from litgpt import Config
         from litgpt.model import GPT
 
@@ -83,19 +85,6 @@ class LitGPTModule(LightningModule):
         config = Config.from_name(family, n_layer=4, n_embd=64, n_head=4, n_query_groups=2, head_size=16,
                                   intermediate_size=128, vocab_size=VOCAB, padded_vocab_size=VOCAB, block_size=SEQ, **extra)
         self.model = GPT(config)
-        self.lr, self.sgd = lr, sgd
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        logits = self.model(batch["input_ids"])
-        labels = batch["labels"]
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.sgd:
-            return torch.optim.SGD(self.parameters(), lr=self.lr)
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 class HFCausalLM(LightningModule):

@@ -43,6 +43,11 @@ def find_experts(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
+def _num_experts(module: nn.Module) -> int:
+    """Experts in an experts module: dim 0 of its 3-D weights (the global count, also once they are sharded)."""
+    return next(module.parameters()).shape[0]
+
+
 def _expert_lists(model: nn.Module) -> list[str]:
     """MoE layers whose experts are a list of MLP modules (LitGPT's LLaMAMoE): routed inside the layer's forward."""
     return [
@@ -54,7 +59,7 @@ def _expert_lists(model: nn.Module) -> list[str]:
 
 
 class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; gradient times ``scale`` (see ``ExpertParallel._wrap``)."""
+    """Identity forward; gradient times ``scale`` (see ``ExpertParallel.wrap``)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, scale: float) -> Tensor:
@@ -72,7 +77,7 @@ class ExpertParallel:
     def __init__(self, experts: dict[str, nn.Module], mesh: DeviceMesh | None, capacity_factor: float | None) -> None:
         self.experts = experts
         # Global experts per layer (the same in every layer: metrics add layers up per expert).
-        self.num_experts = max(next(m.parameters()).shape[0] for m in experts.values())
+        self.num_experts = max(_num_experts(m) for m in experts.values())
         self.ep = mesh.size() if mesh is not None else 1
         self.group = mesh.get_group() if mesh is not None and self.ep > 1 else None
         self.capacity_factor = capacity_factor
@@ -84,8 +89,7 @@ class ExpertParallel:
         """Keep this rank's block of experts: a DTensor sharded on dim 0 over 'ep' (in front of a tensor-parallel
         split of each expert, when there is one)."""
         rank = mesh["ep"].get_local_rank()
-        for name, module in self.experts.items():
-            num = next(module.parameters()).shape[0]
+        for module in self.experts.values():
             for pname, p in list(module.named_parameters(recurse=False)):
                 if isinstance(p, DTensor):
                     sub, placements = mesh[("ep", *p.device_mesh.mesh_dim_names)], [Shard(0), *p.placements]
@@ -95,9 +99,10 @@ class ExpertParallel:
                 block = local.chunk(self.ep)[rank].clone()
                 value = DTensor.from_local(block, sub, placements, shape=p.shape, stride=p.stride())
                 module.register_parameter(pname, nn.Parameter(value, requires_grad=p.requires_grad))
-            self._wrap(name, module, num)
 
-    def _wrap(self, name: str, module: nn.Module, num_experts: int) -> None:
+    def wrap(self, name: str, module: nn.Module) -> None:
+        """Route ``module``'s calls: its tokens go to their experts' ranks and back around its own forward."""
+        num_experts = _num_experts(module)
         original: Callable[..., Tensor] = module.forward
         signature = inspect.signature(original)
         names = [n for n, _ in module.named_parameters(recurse=False)]
@@ -168,7 +173,7 @@ class ExpertParallel:
 
 def check_experts(experts: dict[str, nn.Module], ep: int) -> None:
     for name, module in experts.items():
-        num = next(module.parameters()).shape[0]
+        num = _num_experts(module)
         if num % ep:
             raise ValueError(
                 f"'{name}' has {num} experts, not divisible by expert_parallel({ep}): every rank must hold as many."
@@ -193,7 +198,6 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh | None, capacity_fa
     ep = ExpertParallel(experts, mesh["ep"] if mesh is not None else None, capacity_factor)
     if mesh is not None:
         ep.shard(mesh)
-    else:
-        for name, module in experts.items():
-            ep._wrap(name, module, next(module.parameters()).shape[0])
+    for name, module in experts.items():
+        ep.wrap(name, module)
     return ep
