@@ -3,6 +3,7 @@ process, under ZeRO-3, with activation checkpointing, and under pipeline paralle
 
 from __future__ import annotations
 
+import shutil
 from functools import cache
 from typing import Any
 
@@ -13,6 +14,9 @@ from tests.distributed import run_ranks
 from tests.zoo import assert_exact, fit_cases
 
 pytest.importorskip("transformers")
+# Inductor compiles C++ for CPU kernels.
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="torch.compile on CPU needs a C++ compiler (g++)")
 
 CASES = [
     ("llama", {"compile": True, "zero_stage": 3}, 4, {"tag": "zero3"}),
