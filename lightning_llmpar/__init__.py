@@ -15,6 +15,7 @@ from lightning_llmpar.checkpointing import (
 from lightning_llmpar.fault_tolerance import FaultTolerantCheckpoint, ResumableDistributedSampler, StepGuard
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.parallelize import ParallelConfig, parallelize
+from lightning_llmpar.planner import plan
 from lightning_llmpar.precision import BF16Precision, FP8Precision, FP16Precision
 from lightning_llmpar.strategies.llm_parallel import LLMParallelStrategy
 from lightning_llmpar.strategies.registry import PRESETS, register_strategies
@@ -31,6 +32,7 @@ __all__ = [
     "ParallelLayout",
     "ParallelConfig",
     "parallelize",
+    "plan",
     "export_consolidated",
     "save_hf_checkpoint",
     "load_hf_checkpoint",

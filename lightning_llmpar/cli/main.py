@@ -133,6 +133,10 @@ def console() -> None:
 
     if sys.argv[1:2] == ["verify"]:
         sys.exit(verify(sys.argv[2:]))
+    if sys.argv[1:2] == ["plan"]:
+        from lightning_llmpar.cli.plan import plan_command
+
+        sys.exit(plan_command(sys.argv[2:]))
     main()
 
 

@@ -1,0 +1,57 @@
+"""`llmpar plan`: predict memory and step time of every layout of a model on a cluster, and write the best."""
+
+from __future__ import annotations
+
+import argparse
+
+from lightning_llmpar.planner.cluster import CLUSTERS, cluster_from
+from lightning_llmpar.planner.search import plan
+
+__all__ = ["plan_command"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmpar plan", description=plan_command.__doc__)
+    parser.add_argument("model", help="a Hugging Face config directory (or config.json) or a llmpar fit YAML")
+    parser.add_argument("--cluster", default="h100", choices=sorted(CLUSTERS), help="preset the flags below override")
+    parser.add_argument("--gpus-per-node", type=int)
+    parser.add_argument("--nodes", type=int)
+    parser.add_argument("--memory-gb", type=float, help="memory per device")
+    parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak per device")
+    parser.add_argument("--hbm-gbps", type=float, help="memory bandwidth per device")
+    parser.add_argument("--intra-node-gbps", type=float, help="per-device bandwidth inside a node")
+    parser.add_argument("--inter-node-gbps", type=float, help="per-device bandwidth between nodes")
+    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    parser.add_argument("--precision", default="bf16-mixed", choices=["32-true", "bf16-mixed", "fp8"])
+    parser.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory left free")
+    parser.add_argument("--top", type=int, default=10, help="layouts shown")
+    parser.add_argument("--json", action="store_true", help="print the ranked layouts as JSON instead of a table")
+    parser.add_argument("--write", metavar="YAML", help="write the best layout as a llmpar fit config")
+    return parser
+
+
+def plan_command(args: list[str]) -> int:
+    """Rank the layouts (data x tensor x pipeline x context parallel, ZeRO stage, activation checkpointing,
+    microbatching) of a model on a cluster by predicted step time among those whose predicted per-device peak
+    memory fits; print them and optionally write the best as a `llmpar fit` config."""
+    opts = _parser().parse_args(args)
+    cluster = cluster_from(
+        opts.cluster, gpus_per_node=opts.gpus_per_node, nodes=opts.nodes, memory_gb=opts.memory_gb,
+        peak_tflops=opts.peak_tflops, hbm_gbps=opts.hbm_gbps, intra_node_gbps=opts.intra_node_gbps,
+        inter_node_gbps=opts.inter_node_gbps,
+    )
+    result = plan(
+        opts.model,
+        cluster,
+        global_batch=opts.global_batch,
+        seq=opts.seq,
+        precision=opts.precision,
+        headroom=opts.headroom,
+    )
+    print(result.to_json(opts.top) if opts.json else result.table(opts.top))
+    if opts.write:
+        path = result.write_config(opts.write)
+        if not opts.json:
+            print(f"llmpar: best layout written to {path} (llmpar fit --config {path})")
+    return 0 if result.best is not None else 1

@@ -1,0 +1,73 @@
+"""One point of the search: the degrees, ZeRO stage, checkpointing and batching of a run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["CHECKPOINTING", "Candidate", "in_flight"]
+
+Checkpointing = Literal["none", "selective", "full"]
+CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """``micro_batch`` sequences go through the model at once on each data-parallel rank, ``microbatches`` times
+    per optimizer step (the pipeline's microbatches, or gradient accumulation without a pipeline)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp_replicate: int = 1  # ZeRO-0 replicates over all dp ranks; ZeRO 1-3 shard over dp / dp_replicate
+    zero: int = 0
+    checkpointing: Checkpointing = "none"
+    micro_batch: int = 1
+    microbatches: int = 1
+    schedule: str = "none"  # pipeline schedule when pp > 1
+    virtual: int = 1  # stages per pipeline rank
+    sequence_parallel: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def shard(self) -> int:
+        """Ranks parameter state is sharded over: FSDP shards over dp_shard x cp (cp ranks even at ZeRO-0)."""
+        return (self.dp // self.dp_replicate if self.zero else 1) * self.cp
+
+    @property
+    def fsdp(self) -> bool:
+        return self.dp * self.cp > 1
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.micro_batch * self.microbatches
+
+    def label(self) -> str:
+        parts = [f"dp{self.dp}" + (f"(r{self.dp_replicate})" if self.zero and self.dp_replicate > 1 else ""),
+                 f"tp{self.tp}" + ("" if self.sequence_parallel or self.tp == 1 else "-nosp"), f"pp{self.pp}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        sched = f" {self.schedule}x{self.virtual}" if self.pp > 1 else ""
+        return f"{' '.join(parts)} z{self.zero} ac={self.checkpointing} mb={self.micro_batch}x{self.microbatches}{sched}"
+
+
+def in_flight(c: Candidate, rank: int) -> int:
+    """Forwards (one microbatch through one of the rank's stages) whose activations pipeline rank ``rank`` holds
+    at once, at most: the warm-up of torch's schedules plus the one in 1F1B's steady state."""
+    n, pp, v = c.microbatches, c.pp, c.virtual
+    if pp == 1:
+        return 1
+    if c.schedule == "GPipe":
+        return n
+    if c.schedule == "1F1B":
+        return min(pp - rank, n)
+    # Interleaved schedules (and the others, approximately): torch's warm-up for interleaved 1F1B.
+    per_round = n // max(1, n // pp)
+    return min((v - 1) * per_round + 2 * (pp - 1 - rank) + 1, n * v)

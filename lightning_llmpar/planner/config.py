@@ -1,0 +1,75 @@
+"""A planned layout as a `llmpar fit` config: the strategy's degrees, checkpointing, precision and batching."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from lightning_llmpar.planner.candidate import Candidate
+
+if TYPE_CHECKING:
+    from lightning_llmpar.planner.search import Plan, PlannedLayout
+
+__all__ = ["fit_config", "strategy_args"]
+
+
+def strategy_args(c: Candidate) -> dict[str, Any]:
+    """``LLMParallelStrategy`` keyword arguments of a candidate."""
+    args: dict[str, Any] = {"data_parallel": c.dp, "tensor_parallel": c.tp, "pipeline_parallel": c.pp,
+                            "zero_stage": c.zero}
+    if c.zero and c.dp_replicate > 1:
+        args["data_parallel_replicate"] = c.dp_replicate
+    if c.tp > 1:
+        args["sequence_parallel"] = c.sequence_parallel
+    if c.pp > 1:
+        args.update(pipeline_schedule=c.schedule, pipeline_microbatches=c.microbatches,
+                    pipeline_virtual_stages=c.virtual)
+    if c.cp > 1:
+        args["context_parallel"] = c.cp
+    if c.ep > 1:
+        args["expert_parallel"] = c.ep
+    return args
+
+
+def fit_config(plan: Plan, row: PlannedLayout) -> str:
+    """YAML text for ``row``: the data module's batch is one data-parallel rank's share of the global batch
+    (a pipeline splits it into microbatches; without one, gradients accumulate over ``microbatches``)."""
+    c = row.candidate
+    trainer: dict[str, Any] = {
+        "accelerator": "gpu" if plan.cluster.device == "cuda" else "cpu",
+        "devices": plan.cluster.gpus_per_node,
+        "num_nodes": plan.cluster.nodes,
+        "strategy": {"class_path": "lightning_llmpar.LLMParallelStrategy", "init_args": strategy_args(c)},
+    }
+    if plan.precision.name == "bf16-mixed":
+        trainer["precision"] = "bf16-mixed"
+    elif plan.precision.name == "fp8":
+        trainer["plugins"] = [{"class_path": "lightning_llmpar.FP8Precision"}]
+    if c.pp == 1 and c.microbatches > 1:
+        trainer["accumulate_grad_batches"] = c.microbatches
+    if c.checkpointing != "none":
+        trainer["callbacks"] = [{"class_path": "lightning_llmpar.ActivationCheckpointing",
+                                 "init_args": {"mode": c.checkpointing}}]
+    model = dict(plan.spec.fit_model)
+    per_rank = c.micro_batch * (c.microbatches if c.pp > 1 else 1)
+    config = {
+        "seed_everything": 1234,
+        "trainer": trainer,
+        "model": model,
+        "data": {"class_path": "lightning_llmpar.data.CorpusDataModule",
+                 "init_args": {"block_size": plan.seq, "batch_size": per_rank}},
+    }
+    t, m = row.time, row.memory
+    header = (
+        f"# Written by `llmpar plan` for {plan.spec.name} on {plan.cluster.nodes} node(s) x"
+        f" {plan.cluster.gpus_per_node} {plan.cluster.device}\n"
+        f"# ({plan.cluster.memory_gb:g} GB each), global batch {plan.global_batch} x {plan.seq} tokens,"
+        f" {plan.precision.name}.\n"
+        f"# Layout {c.label()}\n"
+        f"# Predicted: peak {m.peak / 2**30:.2f} GiB per device (pipeline rank {m.rank}), step {t.step:.4f} s,"
+        f" {t.tokens_per_s:.0f} tokens/s, MFU {t.mfu:.1%}.\n"
+        "# The data section is the bundled corpus; put your own DataModule there with the same batch_size.\n"
+        f"# Run: llmpar fit --config <this file>\n"
+    )
+    return header + yaml.safe_dump(config, sort_keys=False)

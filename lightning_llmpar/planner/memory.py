@@ -1,0 +1,132 @@
+"""Per-rank peak memory of a training step, predicted term by term.
+
+The peak is the larger of two moments. In forward/backward a rank holds its parameter shards, the gathered
+copies FSDP2 computes with (the whole rank's parameters at ZeRO 0-2, which keep them gathered through backward;
+two units at a time at ZeRO-3), AdamW's moments, the gradients when they outlive a microbatch (pipeline or
+accumulation), what each in-flight microbatch keeps for backward, one layer's full activations while a
+backward or a recomputation runs, the loss's fp32 logits, and the pipeline's receive buffers. At the optimizer
+step it holds parameters, gradients, moments and the step's temporaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_llmpar.planner.candidate import Candidate, in_flight
+from lightning_llmpar.planner.cluster import Precision
+from lightning_llmpar.planner.spec import ModelSpec
+
+__all__ = ["MemoryEstimate", "activation_elements", "predict_memory"]
+
+FP32 = 4
+ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on the fullest pipeline rank, term by term (``peak`` is what must fit)."""
+
+    parameters: float
+    gathered: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    buffers: float
+    peak: float
+    rank: int  # the pipeline rank the figures are for
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+def activation_elements(spec: ModelSpec, c: Candidate, mode: str) -> float:
+    """Elements per token one layer keeps for backward under checkpointing ``mode`` (see
+    ``activation_checkpointing.memory.block_activation_formula`` for the none-mode terms). Tensor parallelism
+    splits the attention and MLP terms; with sequence parallelism the norms work on a 1/tp slice of the
+    sequence, but the projections keep the gathered (full) input."""
+    h, a, f, tp = spec.hidden, spec.n_head, spec.ffn_hidden, c.tp
+    sp = c.sequence_parallel and tp > 1
+    block_input = h / tp if sp else h
+    if mode == "full":
+        return block_input
+    if mode == "selective":  # the block's input and the attention kernel's output and log-sum-exp
+        return block_input + (h + a) / tp
+    norms = 2 * ((2 * h + 1) / tp + h) if sp else 2 * (3 * h + 1)
+    attention = (5 * h + a) / tp
+    if spec.n_expert:
+        mlp = spec.top_k * (4 * f / tp + 2 * h) + spec.n_expert  # experts, dispatched copies, router logits
+    else:
+        mlp = 4 * f / tp
+    return norms + attention + mlp
+
+
+def _local_params(spec: ModelSpec, c: Candidate, rank: int) -> tuple[float, float]:
+    """Parameters pipeline rank ``rank`` holds (after tensor and expert splits), and its largest FSDP unit."""
+    dense_matrix = spec.block_matrix_params - spec.block_expert_params
+    block = (dense_matrix / c.tp + spec.block_expert_params / (c.tp * c.ep)
+             + spec.block_params - spec.block_matrix_params)
+    layers = -(-spec.n_layer // c.pp)
+    total = layers * block
+    ends = 0.0
+    if rank == 0:
+        ends += spec.embed_params / c.tp
+    if rank == c.pp - 1:
+        head = spec.embed_params if (spec.tied and c.pp > 1) else spec.head_params  # a tied head is a copy
+        ends += head / c.tp + spec.other_params
+    # Blocks are FSDP units without a pipeline; with one, each stage is a single unit.
+    unit = block if c.pp == 1 else total / c.virtual + ends
+    return total + ends, unit
+
+
+def predict_memory(spec: ModelSpec, c: Candidate, seq: int, precision: Precision, device: str = "cuda") -> MemoryEstimate:
+    """The peak bytes of the fullest pipeline rank for ``c`` training ``spec`` on sequences of ``seq`` tokens."""
+    return max((_rank_memory(spec, c, seq, precision, device, r) for r in range(c.pp)), key=lambda m: m.peak)
+
+
+def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, device: str, rank: int) -> MemoryEstimate:
+    local, unit = _local_params(spec, c, rank)
+    sharded = local / c.shard if c.fsdp else local
+    master = sharded * FP32
+    gathered = 0.0
+    if c.fsdp:  # FSDP2 computes with a gathered copy, also on a size-1 shard
+        gathered = (2 * unit if c.zero == 3 else local) * p.param_bytes
+    grads = sharded * FP32
+    reduce_buffer = unit * FP32 if c.fsdp else 0.0  # one unit's unsharded gradient before its reduction
+    optimizer = sharded * ADAM_STATE_BYTES
+    # Lightning zeroes gradients after the training step's forward, so last step's are held through it; in backward
+    # only those of earlier microbatches (pipeline, accumulation) are.
+    grads_in_backward = grads if (c.pp > 1 or c.microbatches > 1) else 0.0
+    if c.fsdp and c.zero and c.pp == 1 and c.microbatches > 1:
+        grads_in_backward = local * FP32  # FSDP2 accumulates unsynced gradients unsharded
+
+    tokens = c.micro_batch * seq / c.cp
+    layer = lambda mode: tokens * activation_elements(spec, c, mode) * p.act_bytes  # noqa: E731
+    chunk_layers = -(-spec.n_layer // c.pp) / c.virtual
+    kept = chunk_layers * in_flight(c, rank) * layer(c.checkpointing)
+    # While a layer's backward runs it holds its MLP's gradient temporaries (the gate's and the up projection's), and a checkpointed layer first recomputes what it did not keep. Under torch's pipeline
+    # schedules a rank was measured to hold about one layer-microbatch beyond the schedule's in-flight count.
+    mlp_width = spec.ffn_hidden * (spec.top_k if spec.n_expert else 1) / c.tp
+    working = 2 * tokens * mlp_width * p.act_bytes
+    if c.checkpointing != "none":
+        working += layer("none") - layer(c.checkpointing)
+    if c.pp > 1:
+        working += layer("none")
+    last = rank == c.pp - 1
+    logits = 2 * tokens * spec.vocab * FP32 + 3 * tokens * spec.hidden * p.act_bytes if last else 0.0
+    buffers = 0.0
+    if c.pp > 1:
+        stages = [rank + k * c.pp for k in range(c.virtual)]
+        receives = sum((s > 0) + (s < c.pp * c.virtual - 1) for s in stages)  # activations in, gradients in
+        hidden_io = tokens * spec.hidden * p.act_bytes
+        buffers = receives * c.microbatches * hidden_io + 2 * in_flight(c, rank) * hidden_io
+    activations = kept + working
+    # Backward frees kept activations as it makes gradients: its peak is at one end or the other.
+    base = master + gathered + optimizer + reduce_buffer + buffers
+    during = max(base + max(grads, grads_in_backward) + kept + logits,
+                 base + working + max(kept + logits + grads_in_backward, grads))
+    # torch's foreach AdamW (the default on GPUs) makes a temporary as large as the moments it updates.
+    step = master + grads + optimizer + (sharded * FP32 if device == "cuda" else 0.0)
+    return MemoryEstimate(parameters=master, gathered=gathered, gradients=grads, optimizer=optimizer,
+                          activations=activations, logits=logits, buffers=buffers + reduce_buffer,
+                          peak=max(during, step), rank=rank)

@@ -1,0 +1,150 @@
+"""What the planner needs to know about a model: its shape and where its parameters sit.
+
+Parameter counts come from the model itself, built on the meta device (no memory, no weights), so they are
+exact for any architecture the strategy can split; widths and head counts come from its config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_llmpar.expert_parallel.apply import find_experts
+from lightning_llmpar.modeling.structure import find_block_stack
+
+__all__ = ["ModelSpec", "model_spec", "spec_from_module"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder LM's shape. ``block_*`` counts are per block; ``matrix`` params are the 2-D weights tensor
+    parallelism splits (norms and biases stay whole); ``expert`` params are the MoE experts' (3-D) weights."""
+
+    n_layer: int
+    hidden: int
+    n_head: int
+    n_kv_head: int
+    ffn_hidden: int  # dense MLP width, or each expert's width for MoE
+    vocab: int
+    block_params: int
+    block_matrix_params: int
+    embed_params: int  # input embedding
+    head_params: int  # output head (0 when tied to the embedding)
+    other_params: int  # final norm and anything else outside the blocks
+    tied: bool = False
+    n_expert: int = 0
+    top_k: int = 1
+    block_expert_params: int = 0
+    # How `llmpar fit` builds this model: the YAML `model:` section the planner's config carries over.
+    fit_model: dict[str, Any] = field(default_factory=dict, compare=False)
+    name: str = "model"
+
+    @property
+    def params(self) -> int:
+        return self.n_layer * self.block_params + self.embed_params + self.head_params + self.other_params
+
+    @property
+    def active_matrix_params_per_token(self) -> float:
+        """Block matrix parameters one token is multiplied by (MoE: only its ``top_k`` experts)."""
+        dense = self.block_matrix_params - self.block_expert_params
+        experts = self.block_expert_params * self.top_k / self.n_expert if self.n_expert else 0.0
+        return self.n_layer * (dense + experts)
+
+
+def spec_from_module(model: nn.Module, dims: dict[str, Any], fit_model: dict[str, Any], name: str) -> ModelSpec:
+    """Count ``model``'s parameters by place (blocks, embedding, head, the rest); ``dims`` gives the widths."""
+    stack = find_block_stack(model)
+    if stack is None:
+        raise ValueError(f"{name}: no stack of repeated blocks found; the planner splits models by their blocks.")
+    block = stack.modules()[0]
+    experts = find_experts(block)
+    expert_ids = {id(p) for m in experts.values() for p in m.parameters()}
+    block_params = sum(p.numel() for p in block.parameters())
+    matrix = sum(p.numel() for p in block.parameters() if p.dim() >= 2)
+    in_blocks = {id(p) for b in stack.modules() for p in b.parameters()}
+    embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    embed_ids = {id(p) for m in embeds for p in m.parameters()}
+    outside = [p for p in model.parameters() if id(p) not in in_blocks]  # parameters() yields a tied weight once
+    tied = any(isinstance(m, nn.Linear) and id(m.weight) in embed_ids for m in model.modules())
+    embed = sum(p.numel() for p in outside if id(p) in embed_ids)
+    rest = [p for p in outside if id(p) not in embed_ids]
+    head = sum(p.numel() for p in rest if p.dim() >= 2)
+    return ModelSpec(
+        n_layer=stack.total, hidden=dims["hidden"], n_head=dims["n_head"], n_kv_head=dims["n_kv_head"],
+        ffn_hidden=dims["ffn_hidden"], vocab=dims["vocab"], block_params=block_params, block_matrix_params=matrix,
+        embed_params=embed, head_params=head, other_params=sum(p.numel() for p in rest if p.dim() < 2), tied=tied,
+        n_expert=dims.get("n_expert", 0), top_k=dims.get("top_k", 1),
+        block_expert_params=sum(p.numel() for p in block.parameters() if id(p) in expert_ids),
+        fit_model=fit_model, name=name,
+    )
+
+
+def _example_gpt(kwargs: dict[str, Any]) -> ModelSpec:
+    from lightning_llmpar.models.gpt import GPT, GPTConfig
+
+    known = set(GPTConfig.__dataclass_fields__)
+    config = GPTConfig(**{k: v for k, v in kwargs.items() if k in known})
+    with torch.device("meta"):
+        model = GPT(config)
+    dims = {"hidden": config.n_embd, "n_head": config.n_head, "n_kv_head": config.n_kv_head,
+            "ffn_hidden": config.moe_hidden if config.n_expert else config.mlp_hidden, "vocab": config.vocab_size,
+            "n_expert": config.n_expert, "top_k": config.n_expert_per_token if config.n_expert else 1}
+    fit = {"class_path": "lightning_llmpar.models.GPTModule", "init_args": dict(kwargs)}
+    return spec_from_module(model, dims, fit, name=f"example GPT {config.n_layer}x{config.n_embd}")
+
+
+def _hf(directory: Path) -> ModelSpec:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(directory)
+    text = getattr(config, "text_config", None) or config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    n_head = text.num_attention_heads
+    n_expert = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 0
+    ffn = getattr(text, "moe_intermediate_size", None) if n_expert else None
+    dims = {"hidden": text.hidden_size, "n_head": n_head,
+            "n_kv_head": getattr(text, "num_key_value_heads", None) or n_head,
+            "ffn_hidden": ffn or getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
+            "vocab": text.vocab_size, "n_expert": n_expert,
+            "top_k": getattr(text, "num_experts_per_tok", 1) if n_expert else 1}
+    fit = {"class_path": "lightning_llmpar.models.HFCausalLM", "init_args": {"model": str(directory)}}
+    return spec_from_module(model, dims, fit, name=f"{config.model_type} ({directory})")
+
+
+def model_spec(source: str | Path | dict[str, Any]) -> ModelSpec:
+    """A ``ModelSpec`` from a Hugging Face config directory (or its config.json), a `llmpar fit` YAML (its
+    ``model:`` section: the example GPT's arguments or an HFCausalLM's directory), or a dict of the example GPT's
+    arguments."""
+    if isinstance(source, dict):
+        return _example_gpt(source)
+    path = Path(source)
+    if path.name == "config.json":
+        path = path.parent
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} holds no config.json: give a Hugging Face model directory or a llmpar fit YAML.")
+        return _hf(path)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        import yaml
+
+        section = (yaml.safe_load(path.read_text()) or {}).get("model") or {}
+        class_path = section.get("class_path", "lightning_llmpar.models.GPTModule")
+        args = section.get("init_args", section if "class_path" not in section else {})
+        if class_path.endswith("HFCausalLM"):
+            return _hf(Path(args["model"]))
+        if not class_path.endswith("GPTModule"):
+            raise ValueError(
+                f"{path}: the planner reads the example GPT's or HFCausalLM's arguments, not {class_path}."
+                " Give the model's Hugging Face config directory instead."
+            )
+        return _example_gpt({k: v for k, v in args.items()})
+    raise ValueError(
+        f"model {str(source)!r}: not a Hugging Face config directory, a config.json or a llmpar fit YAML"
+        " (nothing by that name exists)." if not path.exists() else f"model {str(source)!r}: unknown kind of file."
+    )
+

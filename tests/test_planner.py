@@ -1,0 +1,154 @@
+"""The layout planner: model specs counted from real models, memory checked against measured peaks of real gloo
+runs, the ranking, the refusals, and `llmpar plan` writing a config that `llmpar fit` trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_llmpar.planner import Candidate, model_spec, plan, predict_memory
+from lightning_llmpar.planner.candidate import in_flight
+from lightning_llmpar.planner.cluster import PRECISIONS, cluster_from
+from lightning_llmpar.planner.measure import measure_layout
+from tests.distributed import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = {"vocab_size": 256, "n_layer": 4, "n_head": 4, "n_kv_head": 2, "n_embd": 128}
+FP32 = PRECISIONS["32-true"]
+
+
+def _numel(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # a tied weight once
+
+
+def test_spec_counts_the_parameters_of_the_real_models(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    from lightning_llmpar.models.gpt import GPT as GPTModel
+    from lightning_llmpar.models.gpt import GPTConfig
+
+    gpt = model_spec(GPT)
+    assert gpt.params == _numel(GPTModel(GPTConfig(**GPT))) and not gpt.tied
+    qwen3 = model_spec(ROOT / "examples/hf/tiny-qwen3")
+    config = json.loads((ROOT / "examples/hf/tiny-qwen3/config.json").read_text())
+    from transformers import AutoConfig
+
+    assert qwen3.tied and qwen3.head_params == 0
+    assert qwen3.params == _numel(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ROOT / "examples/hf/tiny-qwen3")))
+    assert (qwen3.n_layer, qwen3.hidden, qwen3.n_kv_head) == (config["num_hidden_layers"], 128, 2)
+    moe = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    moe.save_pretrained(tmp_path / "moe")
+    spec = model_spec(tmp_path / "moe" / "config.json")
+    assert spec.params == _numel(AutoModelForCausalLM.from_config(moe))
+    assert (spec.n_expert, spec.top_k, spec.ffn_hidden) == (4, 2, 16)
+    assert spec.block_expert_params == 4 * 3 * 32 * 16  # gate, up and down of each expert
+    assert model_spec(ROOT / "examples/configs/3d.yaml").n_layer == 8  # a llmpar fit config's model section
+
+
+def test_memory_terms_move_the_way_each_technique_moves_them() -> None:
+    spec = model_spec(GPT)
+    peak = lambda **kw: predict_memory(spec, Candidate(**kw), 256, FP32, "cpu")  # noqa: E731
+    none, selective, full = (peak(micro_batch=8, checkpointing=m).activations for m in ("none", "selective", "full"))
+    assert full < selective < none
+    z0, z2, z3 = (peak(dp=4, dp_replicate=4 if z == 0 else 1, zero=z, micro_batch=8) for z in (0, 2, 3))
+    assert z3.peak < z2.peak < z0.peak and z2.optimizer == z0.optimizer / 4 and z3.gathered < z2.gathered
+    tp = peak(tp=2, micro_batch=8)
+    assert tp.parameters < peak(micro_batch=8).parameters and tp.activations < none
+    assert peak(tp=2, micro_batch=8, sequence_parallel=False).activations > tp.activations
+    gpipe = peak(pp=2, micro_batch=1, microbatches=8, schedule="GPipe")
+    assert gpipe.activations > peak(pp=2, micro_batch=1, microbatches=8, schedule="1F1B").activations
+
+
+@pytest.mark.parametrize("pp,virtual,n", [(2, 2, 4), (2, 2, 8), (4, 2, 8), (4, 2, 16)])
+def test_in_flight_microbatches_follow_torchs_interleaved_schedule(pp: int, virtual: int, n: int) -> None:
+    # torch's own order of forwards and backwards per rank, counted: the closed form must agree with it.
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    for rank in range(pp):
+        state = SimpleNamespace(n_local_stages=virtual, pp_group_size=pp, _n_microbatches=n, rank=rank,
+                                microbatches_per_round=n // max(1, n // pp))
+        held = most = 0
+        for action in ScheduleInterleaved1F1B._calculate_single_rank_operations(state, rank):
+            if action is not None:
+                held += {_ComputationType.FORWARD: 1, _ComputationType.FULL_BACKWARD: -1}.get(action.computation_type, 0)
+                most = max(most, held)
+        c = Candidate(pp=pp, microbatches=n, schedule="Interleaved1F1B", virtual=virtual)
+        assert in_flight(c, rank) == most, (rank, most)
+
+
+def _measure(layouts: list[Candidate], model: dict, seq: int) -> list[int]:
+    return [measure_layout(c, model, seq, steps=2) for c in layouts]
+
+
+def test_predicted_peaks_are_within_ten_percent_of_measured_ones() -> None:
+    # Real training steps on 2 gloo ranks; every rank's host bytes in use sampled after each op.
+    model = {"vocab_size": 256, "n_layer": 4, "n_head": 6, "n_kv_head": 2, "n_embd": 384}
+    layouts = [
+        Candidate(dp=2, zero=3, micro_batch=8, checkpointing="full"),
+        Candidate(dp=2, dp_replicate=2, micro_batch=8),
+        Candidate(tp=2, micro_batch=8),
+        Candidate(pp=2, micro_batch=2, microbatches=4, schedule="1F1B"),
+    ]
+    per_rank = run_ranks(_measure, 2, layouts, model, 128, timeout=900)
+    spec = model_spec(model)
+    for i, c in enumerate(layouts):
+        measured = max(rank[i] for rank in per_rank)
+        predicted = predict_memory(spec, c, 128, FP32, "cpu").peak
+        assert abs(predicted / measured - 1) <= 0.10, (c.label(), predicted / 2**20, measured / 2**20)
+
+
+def test_plan_ranks_fitting_layouts_by_step_time_and_refuses_bad_input(tmp_path: Path) -> None:
+    result = plan({**GPT, "n_layer": 8}, cluster_from("h100", gpus_per_node=8), global_batch=32, seq=1024)
+    fits = [r.fits for r in result.layouts]
+    assert fits[0] and fits == sorted(fits, reverse=True)
+    steps = [r.time.step for r in result.layouts if r.fits]
+    assert steps == sorted(steps) and result.best is result.layouts[0]
+    assert all(r.candidate.world_size == 8 and r.candidate.global_batch == 32 for r in result.layouts)
+    assert {r.candidate.pp for r in result.layouts} >= {1, 2, 4, 8} and {r.candidate.zero for r in result.layouts} == {0, 2, 3}
+    with pytest.raises(ValueError, match="precision='fp16'"):
+        plan(GPT, global_batch=8, seq=128, precision="fp16")
+    with pytest.raises(ValueError, match="global batch 3"):
+        # One block and one key/value head: neither a pipeline nor tensor parallelism, and dp2 does not divide 3.
+        plan({**GPT, "n_layer": 1, "n_kv_head": 1}, cluster_from("h100", gpus_per_node=2), global_batch=3, seq=128)
+    with pytest.raises(ValueError, match="no-such-dir"):
+        plan("no-such-dir", global_batch=8, seq=128)
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        cluster_from("h100", gpus_per_node=0)
+    tiny = plan({**GPT, "n_embd": 4096, "n_head": 32, "n_kv_head": 8}, cluster_from("h100", memory_gb=0.5),
+                global_batch=8, seq=4096)
+    assert tiny.best is None
+    with pytest.raises(ValueError, match="No layout .* fits 0.5 GB"):
+        tiny.write_config(tmp_path / "none.yaml")
+
+
+def test_llmpar_plan_writes_a_config_that_llmpar_fit_trains(tmp_path: Path) -> None:
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    planned = subprocess.run(
+        [sys.executable, "-m", "lightning_llmpar.cli", "plan", str(ROOT / "examples/configs/single.yaml"),
+         "--cluster", "cpu", "--global-batch", "8", "--seq", "64", "--precision", "32-true", "--json",
+         "--write", "best.yaml"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    ranked = json.loads(planned.stdout)
+    assert ranked["layouts"][0]["fits"] and ranked["layouts"][0]["candidate"]["dp"] * ranked["layouts"][0]["candidate"]["tp"] \
+        * ranked["layouts"][0]["candidate"]["pp"] == 2
+    config = yaml.safe_load((tmp_path / "best.yaml").read_text())
+    best = ranked["layouts"][0]["candidate"]
+    assert config["trainer"]["strategy"]["init_args"]["zero_stage"] == best["zero"]
+    assert config["model"]["init_args"]["n_embd"] == 128  # single.yaml's model, carried over
+    fit = subprocess.run(
+        [sys.executable, "-m", "lightning_llmpar.cli", "fit", "--config", "best.yaml", "--trainer.max_steps", "3",
+         "--trainer.limit_val_batches", "0", "--data.max_bytes", "200000", "--trainer.logger", "false",
+         "--trainer.enable_checkpointing", "false"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert fit.returncode == 0, fit.stdout[-3000:] + fit.stderr[-3000:]
+    assert "llmpar: layout" in fit.stdout
