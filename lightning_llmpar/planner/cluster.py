@@ -27,6 +27,7 @@ class Cluster:
     matmul_efficiency: float = 0.75  # the fraction of peak large GEMMs reach
     attention_efficiency: float = 0.5  # the fraction flash attention reaches (its backward is the slow part)
     layer_overhead_us: float = 50.0  # launches and Python per layer, microbatch and pass, whatever its size
+    comm_overlap: float = 0.9  # the share of compute FSDP's collectives hide behind (NCCL runs beside kernels)
     device: str = "cuda"
 
     def __post_init__(self) -> None:
@@ -36,6 +37,8 @@ class Cluster:
         for name in ("memory_gb", "peak_tflops", "hbm_gbps", "intra_node_gbps", "inter_node_gbps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Cluster: `{name}` must be positive, got {getattr(self, name)!r}.")
+        if not 0 <= self.comm_overlap <= 1:
+            raise ValueError(f"Cluster: `comm_overlap` must be in [0, 1], got {self.comm_overlap!r}.")
         for name in ("matmul_efficiency", "attention_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"Cluster: `{name}` must be in (0, 1], got {getattr(self, name)!r}.")
@@ -63,10 +66,11 @@ CLUSTERS: dict[str, Cluster] = {
     "h200": Cluster(memory_gb=141, peak_tflops=989, hbm_gbps=4800, intra_node_gbps=450, inter_node_gbps=50),
     "a100": Cluster(memory_gb=80, peak_tflops=312, hbm_gbps=2039, intra_node_gbps=300, inter_node_gbps=25,
                     fp32_tflops=156, fp8_tflops=312),
-    # This project's test machine: processes on one host, gloo through shared memory.
-    "cpu": Cluster(gpus_per_node=2, memory_gb=24, peak_tflops=0.1, hbm_gbps=20, intra_node_gbps=5,
-                   inter_node_gbps=1, latency_us=50, fp32_tflops=0.1, fp8_tflops=0.1, matmul_efficiency=0.5,
-                   layer_overhead_us=500, device="cpu"),
+    # One single-thread process per core of this project's 2-core test machine, gloo between them: the figures
+    # `python -m benchmarks.plan_bench --part time` measured. gloo's threads share the compute cores: no overlap.
+    "cpu": Cluster(gpus_per_node=2, memory_gb=24, peak_tflops=0.087, hbm_gbps=70, intra_node_gbps=1.1,
+                   inter_node_gbps=1.1, latency_us=560, fp32_tflops=0.087, fp8_tflops=0.087, matmul_efficiency=1.0,
+                   attention_efficiency=0.37, layer_overhead_us=270, comm_overlap=0.0, device="cpu"),
 }
 
 

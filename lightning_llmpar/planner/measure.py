@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import time
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_llmpar.planner.candidate import Candidate
 
-__all__ = ["HostMemoryPeak", "MeasuredPeak", "host_bytes_in_use", "measure_layout"]
+__all__ = ["HostMemoryPeak", "MeasuredPeak", "StepTimes", "host_bytes_in_use", "measure_layout"]
 
 
 class _MallInfo2(ctypes.Structure):
@@ -100,18 +101,42 @@ class _Tokens(LightningDataModule):
         return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
 
 
-def measure_layout(candidate: Candidate, model: dict[str, Any], seq: int, steps: int = 3) -> int:
+class StepTimes(Callback):
+    """Wall-clock seconds of every optimizer step (all its accumulated batches), after a barrier."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start: float | None = None
+        self._batches = 0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._start is None:
+            trainer.strategy.barrier()
+            self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self._batches += 1
+        if self._batches % trainer.accumulate_grad_batches:
+            return
+        self.seconds.append(time.perf_counter() - self._start)  # type: ignore[operator]
+        self._start = None
+
+
+def measure_layout(
+    candidate: Candidate, model: dict[str, Any], seq: int, steps: int = 3, what: str = "memory"
+) -> Any:
     """Train the example GPT (``model``: its arguments) under ``candidate`` on this rank for ``steps`` optimizer
-    steps and return this rank's peak bytes over them. Call it on every rank (torchrun or similar)."""
+    steps; return this rank's peak bytes over them (``what="memory"``), or each step's seconds (``"time"``, no
+    sampling then). Call it on every rank (torchrun or similar)."""
     from lightning_llmpar.activation_checkpointing import ActivationCheckpointing
     from lightning_llmpar.models import GPTModule
     from lightning_llmpar.planner.config import strategy_args
     from lightning_llmpar.strategies.llm_parallel import LLMParallelStrategy
 
-    peak = MeasuredPeak()  # before the model, so its parameters count
+    probe: MeasuredPeak | StepTimes = MeasuredPeak() if what == "memory" else StepTimes()  # before the model
     seed_everything(0, verbose=False)
     module = GPTModule(block_size=seq, **model)
-    callbacks: list[Callback] = [peak]
+    callbacks: list[Callback] = [probe]
     if candidate.checkpointing != "none":
         callbacks.append(ActivationCheckpointing(mode=candidate.checkpointing))
     pipelined = candidate.pp > 1
@@ -124,4 +149,4 @@ def measure_layout(candidate: Candidate, model: dict[str, Any], seq: int, steps:
     batch = candidate.micro_batch * (candidate.microbatches if pipelined else 1)
     trainer.fit(module, datamodule=_Tokens(batch, seq, model.get("vocab_size", 256), steps))
     del trainer, module
-    return max(peak.peaks)
+    return max(probe.peaks) if isinstance(probe, MeasuredPeak) else probe.seconds

@@ -115,10 +115,10 @@ def predict_step_time(spec: ModelSpec, c: Candidate, seq: int, cl: Cluster, p: P
     bubble = pipeline * bubble_fraction
 
     # FSDP prefetches the next unit's gather and reduces the last one's gradients while computing, so compute
-    # hides all but about one unit's share (one stage's under a pipeline, which has a unit per stage).
+    # hides up to ``comm_overlap`` of its time, all but about one unit's share (one stage's under a pipeline).
     dp = _data_parallel(spec, c, cl, p, layers)
     units = layers + 1 if c.pp == 1 else c.virtual
-    dp_exposed = max(dp / units, dp - 0.9 * ticks * compute_mb) if dp else 0.0
+    dp_exposed = max(dp / units, dp - cl.comm_overlap * ticks * compute_mb) if dp else 0.0
     local = (layers * spec.block_params + spec.embed_params + spec.head_params) / c.tp / c.shard
     optimizer = 28.0 * local / (cl.hbm_gbps * 1e9)  # read/write master and moments, read the gradient
     step = pipeline + bubble + dp_exposed + optimizer
