@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from lightning_llmpar.modeling.structure import BlockStack, has_forward
 
@@ -47,11 +48,38 @@ def apply_data_parallel(
     # Blocks first: each becomes its own all-gather / reduce-scatter unit, so communication for block
     # i+1 overlaps compute of block i. The root then owns what is left (embeddings, norm, head).
     if blocks is not None:
-        for block in blocks.modules():
-            for unit in shard_units(block):
-                fully_shard(unit, **kwargs)
+        units = [unit for block in blocks.modules() for unit in shard_units(block)]
+        # ZeRO 0-2 keep parameters gathered from forward to the end of backward, so larger units cost no memory
+        # beyond one bucket's gradient: consecutive blocks share a unit of up to DDP's 25 MiB bucket, and a
+        # step makes a few large collectives instead of one small one per block. ZeRO-3 keeps one unit per block
+        # so that only two are gathered at a time.
+        groups = _buckets(units, BUCKET_BYTES) if zero_stage < 3 else [[unit] for unit in units]
+        for group in groups:
+            fully_shard(group if len(group) > 1 else group[0], **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb; 50 and 100 MiB measured slower (benchmarks/README.md)
+
+
+def _local_bytes(module: nn.Module) -> int:
+    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in module.parameters())
+
+
+def _buckets(units: list[nn.Module], cap: int) -> list[list[nn.Module]]:
+    """Consecutive units grouped while their parameters' local bytes stay within ``cap`` (a larger unit alone)."""
+    groups: list[list[nn.Module]] = []
+    size = 0
+    for unit in units:
+        n = _local_bytes(unit)
+        if groups and size + n <= cap:
+            groups[-1].append(unit)
+            size += n
+        else:
+            groups.append([unit])
+            size = n
+    return groups
 
 
 def shard_units(module: nn.Module) -> list[nn.Module]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_llmpar.data_parallel.fsdp import BUCKET_BYTES
 from lightning_llmpar.planner.candidate import Candidate, in_flight
 from lightning_llmpar.planner.cluster import Precision
 from lightning_llmpar.planner.spec import ModelSpec
@@ -74,8 +75,13 @@ def _local_params(spec: ModelSpec, c: Candidate, rank: int) -> tuple[float, floa
     if rank == c.pp - 1:
         head = spec.embed_params if (spec.tied and c.pp > 1) else spec.head_params  # a tied head is a copy
         ends += head / c.tp + spec.other_params
-    # Blocks are FSDP units without a pipeline; with one, each stage is a single unit.
-    unit = block if c.pp == 1 else total / c.virtual + ends
+    # Blocks are FSDP units without a pipeline (grouped up to 25 MiB at ZeRO 0-2); with one, each stage is a unit.
+    if c.pp > 1:
+        unit = total / c.virtual + ends
+    elif c.zero < 3:
+        unit = block * min(layers, max(1, BUCKET_BYTES // (block * FP32)))
+    else:
+        unit = block
     return total + ends, unit
 
 
@@ -122,9 +128,10 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, device: 
         buffers = receives * c.microbatches * hidden_io + 2 * in_flight(c, rank) * hidden_io
     activations = kept + working
     # Backward frees kept activations as it makes gradients: its peak is at one end or the other.
-    base = master + gathered + optimizer + reduce_buffer + buffers
+    # The reduction's buffer (one unit's gradient) exists only in backward.
+    base = master + gathered + optimizer + buffers
     during = max(base + max(grads, grads_in_backward) + kept + logits,
-                 base + working + max(kept + logits + grads_in_backward, grads))
+                 base + reduce_buffer + working + max(kept + logits + grads_in_backward, grads))
     # torch's foreach AdamW (the default on GPUs) makes a temporary as large as the moments it updates.
     step = master + grads + optimizer + (sharded * FP32 if device == "cuda" else 0.0)
     return MemoryEstimate(parameters=master, gathered=gathered, gradients=grads, optimizer=optimizer,

@@ -172,10 +172,14 @@ def apply_gradient_compression(
         return None
     handle = GradientCompression(config, layout, torch.device(mesh.device_type))
     dp_comm = GroupComm(mesh["dp_replicate"].get_group()) if layout.zero_stage == 0 else None
+    units: set[int] = set()  # blocks grouped into one unit share its state: one compressor per unit
     for index, root in enumerate(fsdp_roots):
         for name, module in root.named_modules():
             if not isinstance(module, FSDPModule) or not module._get_fsdp_state()._fsdp_param_groups:
                 continue
+            if id(module._get_fsdp_state()) in units:
+                continue
+            units.add(id(module._get_fsdp_state()))
             compressor = handle.add(f"{index}:{name}")
             if dp_comm is None:
                 module.set_custom_reduce_scatter(CompressedReduceScatter(compressor, module, layout.dp_shard))
