@@ -27,9 +27,10 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_llmpar import LLMParallelStrategy
+from lightning_llmpar.data import ordered_loader
 from lightning_llmpar.models import GPTModule
 from tests.distributed import run_ranks
 
@@ -49,9 +50,7 @@ class _Tokens(LightningDataModule):
         g = torch.Generator().manual_seed(1234)
         tokens = torch.randint(0, MODEL["vocab_size"], (self.steps * self.batch, self.seq + 1), generator=g)
         data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
-        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
-        sampler = DistributedSampler(data, shuffle=False, **kwargs) if kwargs else None
-        return DataLoader(data, batch_size=self.batch, sampler=sampler)
+        return ordered_loader(data, self.batch, self.trainer.strategy)
 
 
 class _Measure(Callback):

@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_llmpar import LLMParallelStrategy
 from lightning_llmpar.callbacks.timeline import PipelineTimeline
+from lightning_llmpar.data import ordered_loader
 from lightning_llmpar.models import GPTModule
 from lightning_llmpar.models.gpt import GPT
 from lightning_llmpar.pipeline.stages import plan_stages
@@ -40,9 +41,7 @@ class _Data(LightningDataModule):
         self.data, self.batch = TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch
 
     def train_dataloader(self) -> DataLoader:
-        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
-        sampler = DistributedSampler(self.data, shuffle=False, **kwargs) if kwargs else None
-        return DataLoader(self.data, batch_size=self.batch, sampler=sampler, drop_last=True)
+        return ordered_loader(self.data, self.batch, self.trainer.strategy, drop_last=True)
 
 
 class _Clock(Callback):

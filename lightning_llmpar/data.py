@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-__all__ = ["CorpusDataModule", "load_corpus", "VOCAB_SIZE"]
+__all__ = ["CorpusDataModule", "load_corpus", "ordered_loader", "VOCAB_SIZE"]
 
 VOCAB_SIZE = 256
 
@@ -53,6 +54,15 @@ class _Windows(Dataset):
         start = i * self.block_size
         window = self.tokens[start : start + self.block_size + 1]
         return window[:-1], window[1:]
+
+
+def ordered_loader(dataset: Dataset, batch_size: int, strategy: Any, drop_last: bool = False) -> DataLoader:
+    """Batches in a fixed order for ``strategy``: data-parallel rank r takes samples r, r+dp, ... (no shuffling),
+    so the data-parallel ranks together see exactly one process's batches. Lightning's own training sampler
+    always shuffles; parity checks and measurements need this one (with ``use_distributed_sampler=False``)."""
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+    sampler = DistributedSampler(dataset, shuffle=False, **kwargs) if kwargs else None
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last)
 
 
 class CorpusDataModule(LightningDataModule):

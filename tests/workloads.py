@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_llmpar import LLMParallelStrategy
+from lightning_llmpar.data import ordered_loader
 from lightning_llmpar.models import GPTModule
 
 VOCAB, SEQ = 64, 16
@@ -30,9 +31,7 @@ class TokenData(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         # Lightning's own sampler always shuffles training data; parity needs rank r of dp to take
         # samples r, r+dp, ... so that the dp ranks together see exactly the single-process batch.
-        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
-        sampler = DistributedSampler(self.data, shuffle=False, **kwargs) if kwargs else None
-        return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
+        return ordered_loader(self.data, self.batch_size, self.trainer.strategy)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.data, batch_size=self.val_batch_size, shuffle=False)

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
+from lightning_llmpar.data import ordered_loader
 from tests.custom_models import ShiftedLM
 
 VOCAB, SEQ, SAMPLES = 64, 16, 64
@@ -145,9 +146,7 @@ class DictTokenData(LightningDataModule):
         self.data, self.batch_size = _Tokens(n, padded=padded), batch_size
 
     def train_dataloader(self) -> DataLoader:
-        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
-        sampler = DistributedSampler(self.data, shuffle=False, **kwargs) if kwargs else None
-        return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler, drop_last=True)
+        return ordered_loader(self.data, self.batch_size, self.trainer.strategy, drop_last=True)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_llmpar.data import ordered_loader
 from lightning_llmpar.planner.candidate import Candidate
 
 __all__ = ["HostMemoryPeak", "MeasuredPeak", "StepTimes", "host_bytes_in_use", "measure_layout"]
@@ -96,9 +97,7 @@ class _Tokens(LightningDataModule):
         self.batch_size = batch_size
 
     def train_dataloader(self) -> DataLoader:
-        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
-        sampler = DistributedSampler(self.data, shuffle=False, **kwargs) if kwargs else None
-        return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
+        return ordered_loader(self.data, self.batch_size, self.trainer.strategy)
 
 
 class StepTimes(Callback):
