@@ -110,8 +110,9 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, device: 
     layer = lambda mode: tokens * activation_elements(spec, c, mode) * p.act_bytes  # noqa: E731
     chunk_layers = -(-spec.n_layer // c.pp) / c.virtual
     kept = chunk_layers * in_flight(c, rank) * layer(c.checkpointing)
-    # While a layer's backward runs it holds its MLP's gradient temporaries (the gate's and the up projection's), and a checkpointed layer first recomputes what it did not keep. Under torch's pipeline
-    # schedules a rank was measured to hold about one layer-microbatch beyond the schedule's in-flight count.
+    # While a layer's backward runs it holds its MLP's gradient temporaries (the gate's and the up projection's),
+    # and a checkpointed layer first recomputes what it did not keep. Under torch's pipeline schedules a rank was
+    # measured to hold about one layer-microbatch beyond the schedule's in-flight count.
     mlp_width = spec.ffn_hidden * (spec.top_k if spec.n_expert else 1) / c.tp
     working = 2 * tokens * mlp_width * p.act_bytes
     if c.checkpointing != "none":
@@ -132,7 +133,7 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, device: 
     base = master + gathered + optimizer + buffers
     during = max(base + max(grads, grads_in_backward) + kept + logits,
                  base + reduce_buffer + working + max(kept + logits + grads_in_backward, grads))
-    # torch's foreach AdamW (the default on GPUs) makes a temporary as large as the moments it updates.
+    # torch's foreach AdamW (the default on GPUs) makes a temporary as large as one moment.
     step = master + grads + optimizer + (sharded * FP32 if device == "cuda" else 0.0)
     return MemoryEstimate(parameters=master, gathered=gathered, gradients=grads, optimizer=optimizer,
                           activations=activations, logits=logits, buffers=buffers + reduce_buffer,
