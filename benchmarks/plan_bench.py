@@ -110,7 +110,8 @@ def _machine() -> Cluster:
     q = torch.randn(8, 6, SEQ, 64)
     attention = 2 * 8 * SEQ * SEQ * 384 / _rate(
         lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)) / 1e12
-    tiny = {n: GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=n, n_head=2, n_kv_head=1, n_embd=16)) for n in (2, 10)}
+    shape = {"vocab_size": 32, "block_size": 8, "n_head": 2, "n_kv_head": 1, "n_embd": 16}
+    tiny = {n: GPT(GPTConfig(n_layer=n, **shape)) for n in (2, 10)}
     idx = torch.randint(0, 32, (1, 8))
     step = {n: _rate(lambda m=m: m(idx).sum().backward(), 20) for n, m in tiny.items()}
     overhead = (step[10] - step[2]) / 8 / 3 * 1e6  # forward and backward of one tiny layer: ~3 forward passes
@@ -177,7 +178,8 @@ def memory_part(steps: int) -> dict[str, Any]:
     print(f"{sum(abs(r['error']) <= 0.10 for r in rows)} of {len(rows)} layouts within 10%; worst {worst:.1%}")
     return {"steps": steps, "layouts": rows, "worst_abs_error": worst,
             "within_10_percent": sum(abs(r["error"]) <= 0.10 for r in rows),
-            "measure": "glibc mallinfo2 after every op, minus the bytes in use before the model was built; largest rank"}
+            "measure": "glibc mallinfo2 after every op, minus the bytes in use before the model was built;"
+                       " largest rank"}
 
 
 def main() -> None:

@@ -55,7 +55,8 @@ class Candidate:
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         sched = f" {self.schedule}x{self.virtual}" if self.pp > 1 else ""
-        return f"{' '.join(parts)} z{self.zero} ac={self.checkpointing} mb={self.micro_batch}x{self.microbatches}{sched}"
+        batching = f"mb={self.micro_batch}x{self.microbatches}"
+        return f"{' '.join(parts)} z{self.zero} ac={self.checkpointing} {batching}{sched}"
 
 
 def in_flight(c: Candidate, rank: int) -> int:

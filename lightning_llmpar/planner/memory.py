@@ -85,7 +85,9 @@ def _local_params(spec: ModelSpec, c: Candidate, rank: int) -> tuple[float, floa
     return total + ends, unit
 
 
-def predict_memory(spec: ModelSpec, c: Candidate, seq: int, precision: Precision, device: str = "cuda") -> MemoryEstimate:
+def predict_memory(
+    spec: ModelSpec, c: Candidate, seq: int, precision: Precision, device: str = "cuda"
+) -> MemoryEstimate:
     """The peak bytes of the fullest pipeline rank for ``c`` training ``spec`` on sequences of ``seq`` tokens."""
     return max((_rank_memory(spec, c, seq, precision, device, r) for r in range(c.pp)), key=lambda m: m.peak)
 

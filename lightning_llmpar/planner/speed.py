@@ -58,7 +58,9 @@ def _ring(volume: float, ranks: int, gbps: float, cl: Cluster, factor: float = 1
     return factor * (ranks - 1) / ranks * volume / (gbps * 1e9) + cl.latency_us * 1e-6
 
 
-def _layer_forward(spec: ModelSpec, c: Candidate, tokens: float, seq: int, cl: Cluster, p: Precision) -> tuple[float, float]:
+def _layer_forward(
+    spec: ModelSpec, c: Candidate, tokens: float, seq: int, cl: Cluster, p: Precision
+) -> tuple[float, float]:
     """One layer's forward on one microbatch: (all of it, its attention kernel alone)."""
     h, tp = spec.hidden, c.tp
     head_dim = h / spec.n_head
