@@ -84,12 +84,11 @@ def spec_from_module(model: nn.Module, dims: dict[str, Any], fit_model: dict[str
 
 
 def _example_gpt(kwargs: dict[str, Any]) -> ModelSpec:
-    from lightning_llmpar.models.gpt import GPT, GPTConfig
+    from lightning_llmpar.models import GPTModule
 
-    known = set(GPTConfig.__dataclass_fields__)
-    config = GPTConfig(**{k: v for k, v in kwargs.items() if k in known})
-    with torch.device("meta"):
-        model = GPT(config)
+    with torch.device("meta"):  # the module `llmpar fit` builds from these arguments
+        model = GPTModule(**kwargs).model
+    config = model.config
     dims = {"hidden": config.n_embd, "n_head": config.n_head, "n_kv_head": config.n_kv_head,
             "ffn_hidden": config.moe_hidden if config.n_expert else config.mlp_hidden, "vocab": config.vocab_size,
             "n_expert": config.n_expert, "top_k": config.n_expert_per_token if config.n_expert else 1}
@@ -98,12 +97,14 @@ def _example_gpt(kwargs: dict[str, Any]) -> ModelSpec:
 
 
 def _hf(directory: Path) -> ModelSpec:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from lightning_llmpar.models import HFCausalLM
 
-    config = AutoConfig.from_pretrained(directory)
+    module = HFCausalLM(model=str(directory))
+    with torch.device("meta"):  # the model `llmpar fit` builds from this directory
+        module.configure_model()
+    model = module.model
+    config = model.config
     text = getattr(config, "text_config", None) or config
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
     n_head = text.num_attention_heads
     n_expert = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 0
     ffn = getattr(text, "moe_intermediate_size", None) if n_expert else None
@@ -142,7 +143,7 @@ def model_spec(source: str | Path | dict[str, Any]) -> ModelSpec:
                 f"{path}: the planner reads the example GPT's or HFCausalLM's arguments, not {class_path}."
                 " Give the model's Hugging Face config directory instead."
             )
-        return _example_gpt({k: v for k, v in args.items()})
+        return _example_gpt(dict(args))
     raise ValueError(
         f"model {str(source)!r}: not a Hugging Face config directory, a config.json or a llmpar fit YAML"
         " (nothing by that name exists)." if not path.exists() else f"model {str(source)!r}: unknown kind of file."
