@@ -44,9 +44,10 @@ def test_frozen_parameters_and_lora_match_one_process_with_clipping() -> None:
     pytest.importorskip("peft")
     refs = _cases(1, [("llama", None, o) for o in FROZEN])
     # A pipeline stage with nothing to train still joins the clipping collective (it used to hang here).
-    two = _cases(2, [("llama", {"pipeline_parallel": 2}, o) for o in FROZEN] + [("llama", {"zero_stage": 3}, FROZEN[1])],
-                 timeout=300)
-    for ref, outs in zip(refs + refs[1:], two):
+    # ZeRO-2 groups the (partly or wholly frozen) blocks into shared FSDP2 units; ZeRO-3 keeps one unit per block.
+    two = _cases(2, [("llama", {"pipeline_parallel": 2}, o) for o in FROZEN] + [("llama", {"zero_stage": 3}, FROZEN[1])]
+                 + [("llama", {"zero_stage": 2}, o) for o in FROZEN], timeout=300)
+    for ref, outs in zip(refs + refs[1:] + refs, two, strict=True):
         assert_exact(ref[0], outs)
     assert set(refs[1][0]["grads"]) == {n for n in refs[1][0]["grads"] if "lora_" in n}, "only adapters train"
 
