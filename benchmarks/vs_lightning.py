@@ -1,7 +1,8 @@
 """What users would pick instead, side by side: Lightning's DDPStrategy vs zero_stage=0, Lightning's FSDPStrategy and
 ModelParallelStrategy (with a user-written ``fully_shard``) vs zero_stage=3, on the example GPT at dp2;
 ModelParallelStrategy with a hand-written tensor-parallel plan vs tensor_parallel=2; Lightning's DeepSpeedStrategy
-vs sharding_backend='deepspeed' (ZeRO-2).
+vs sharding_backend='deepspeed' (ZeRO-2). Ours run AdamW on torch's fused kernel (fused_optimizer=True, the
+default); the '_torch_kernels' entries keep torch's choice (the loop on CPU), as Lightning's strategies run it.
 
 Every strategy runs inside the same launch of two gloo ranks, in interleaved rounds (A B C ... A B C ...), and
 the median seconds per step (after warm-up) of each is reported with its ratio to the Lightning counterpart
@@ -35,7 +36,9 @@ BATCH = 4
 # (ours, theirs): ratio = theirs' seconds per step / ours.
 PAIRS = [("llmpar_zero0", "lightning_ddp"), ("llmpar_zero3", "lightning_fsdp"), ("llmpar_zero3", "lightning_model_parallel"),
          ("llmpar_tp2", "lightning_model_parallel_tp2"), ("llmpar_tp2_no_sp", "lightning_model_parallel_tp2"),
-         ("llmpar_deepspeed_zero2", "lightning_deepspeed_zero2")]
+         ("llmpar_deepspeed_zero2", "lightning_deepspeed_zero2"),
+         # What the rest of the plugin costs or wins with the optimizer on torch's own kernel choice, as DDP runs it.
+         ("llmpar_zero0_torch_kernels", "lightning_ddp"), ("llmpar_tp2_no_sp_torch_kernels", "lightning_model_parallel_tp2")]
 
 
 class _ShardedGPT(GPTModule):
@@ -117,6 +120,10 @@ def _strategy(name: str) -> tuple[Any, type[GPTModule]]:
         return LLMParallelStrategy(zero_stage=0), GPTModule
     if name == "llmpar_zero3":
         return LLMParallelStrategy(zero_stage=3), GPTModule
+    if name == "llmpar_zero0_torch_kernels":
+        return LLMParallelStrategy(zero_stage=0, fused_optimizer=False), GPTModule
+    if name == "llmpar_tp2_no_sp_torch_kernels":
+        return LLMParallelStrategy(tensor_parallel=2, sequence_parallel=False, fused_optimizer=False), GPTModule
     if name == "lightning_ddp":
         return DDPStrategy(), GPTModule
     if name == "lightning_fsdp":

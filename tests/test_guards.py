@@ -54,6 +54,28 @@ def test_manual_optimization_under_pipeline_is_refused() -> None:
         run_ranks(_fit_manual, 2)
 
 
+class _ForeachGPT(GPTModule):
+    def __init__(self) -> None:
+        super().__init__(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, foreach=True)
+
+
+def _fit_foreach() -> None:
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(tensor_parallel=2), max_steps=1,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(_ForeachGPT(), datamodule=TokenData(8))
+
+
+def test_foreach_over_plain_and_sharded_parameters_is_refused() -> None:
+    # Tensor parallelism without FSDP2 leaves the final norm a plain tensor among DTensor shards: torch's foreach
+    # kernels (its default on GPUs) fail on such a list at the first step.
+    with pytest.raises(RuntimeError, match=r"AdamW\(foreach=True\) steps a parameter group holding both plain tensors"
+                                           r" \(e.g. 'model.norm.weight'\) and DTensor shards"):
+        run_ranks(_fit_foreach, 2)
+
+
 # ----------------------------------------------------------------------------------------- microbatches
 
 

@@ -69,6 +69,11 @@ def _assert_sharded(outs: list[dict[str, Any]], kwargs: dict[str, Any], world: i
 def test_gpt_layouts_match_single_process(kwargs: dict[str, Any], world: int) -> None:
     outs, dp = _run("gpt", kwargs, world)
     assert_parity(reference_for("gpt"), outs, dp)
+    # The layouts step AdamW with torch's fused kernel (fused_optimizer=True), the reference with torch's loop;
+    # a group that tensor parallelism alone leaves mixing plain tensors and DTensors runs the loop.
+    kernels = set().union(*(o["kernels"] for o in outs))
+    assert reference_for("gpt")["kernels"] == {(None, None)} and (True, None) in kernels
+    assert kernels <= {(True, None), (None, False)} and (dp == 1 or kernels == {(True, None)})
     _assert_sharded(outs, kwargs, world, "model.layers.0.attn.q_proj.weight", (32, 32))
 
 

@@ -189,7 +189,8 @@ def fit(
     return {"losses": recorder.losses, "grads": recorder.grads, "params": params, "local_shapes": local_shapes,
             "logged": logged, "val": val, "predictions": predictions,
             "checkpointing_applied": any(getattr(c, "applied", False) for c in callbacks),
-            "plugin": _plugin_report(trainer), "extra": [_plain(vars(c)) for c in callbacks_extra or []]}
+            "plugin": _plugin_report(trainer), "extra": [_plain(vars(c)) for c in callbacks_extra or []],
+            "kernels": {(group.get("fused"), group.get("foreach")) for opt in trainer.optimizers for group in opt.param_groups}}
 
 
 def _plain(state: dict[str, Any]) -> dict[str, Any]:

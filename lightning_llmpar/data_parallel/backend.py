@@ -37,6 +37,7 @@ from lightning_llmpar.pipeline.setup import build_pipeline
 from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.training.clip import clip_grad_norm_
 from lightning_llmpar.training.loss_normalization import TokenNormalizer
+from lightning_llmpar.training.optimizer import apply_optimizer_kernels, keep_kernels
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -124,6 +125,7 @@ class FSDP2Backend(ShardingBackend):
                     " are frozen), so an optimizer over only the parameters with requires_grad is empty. Build the"
                     " optimizer from all parameters (frozen ones get no gradient and no update), or freeze fewer layers."
                 ) from err
+            apply_optimizer_kernels(s.optimizers, module, fused=s.options.fused_optimizer)
         s.setup_precision_plugin()
         if s.context_parallel is not None:
             s.context_parallel.install()
@@ -286,11 +288,12 @@ class FSDP2Backend(ShardingBackend):
         assert s.model is not None
         module = s.lightning_module
         fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
-        meta = ckpt.load_checkpoint(
-            path, s.model, self._raw_optimizers() if fitting else [], aliases=self.aliases(),
-            packings=self.parallelized.packings, weights_only=weights_only,
-            strict=getattr(module, "strict_loading", True),
-        )
+        optimizers = self._raw_optimizers() if fitting else []
+        with keep_kernels(optimizers):
+            meta = ckpt.load_checkpoint(
+                path, s.model, optimizers, aliases=self.aliases(), packings=self.parallelized.packings,
+                weights_only=weights_only, strict=getattr(module, "strict_loading", True),
+            )
         if self.compression is not None:
             self.compression.load(path, s.global_rank, s.root_device)
         return meta

@@ -95,6 +95,7 @@ class LLMParallelStrategy(MeshStrategy):
         expert_capacity_factor: each expert takes at most this multiple of its even share of a rank's tokens;
             the rest are dropped (logged as moe/dropped_tokens). None (default): no token is dropped.
         compile: ``torch.compile`` each block of the model's block stack (in place, per block, as torchtitan).
+        fused_optimizer: step Adam/AdamW with torch's fused kernel where the optimizer left the choice to torch.
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
     """
 
@@ -131,6 +132,7 @@ class LLMParallelStrategy(MeshStrategy):
         expert_parallel: int = 1,
         expert_capacity_factor: float | None = None,
         compile: bool = False,
+        fused_optimizer: bool = True,
         start_method: START_METHODS = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,

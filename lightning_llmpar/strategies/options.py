@@ -35,6 +35,7 @@ class StrategyOptions:
     pipeline_check: bool = True
     count_tokens: Callable[[Any], int] | None = None
     context_parallel_mode: str = "ring"
+    fused_optimizer: bool = True
 
 
 def positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
@@ -53,7 +54,7 @@ def _check_degrees(a: dict[str, Any]) -> None:
         positive_int("data_parallel_replicate", a["data_parallel_replicate"], allow_auto=True)
     if a["zero_stage"] not in ZERO_STAGES:
         raise ValueError(f"LLMParallelStrategy: `zero_stage` must be one of {ZERO_STAGES}, got {a['zero_stage']!r}.")
-    for name in ("sequence_parallel", "cpu_offload", "pipeline_check", "compile"):
+    for name in ("sequence_parallel", "cpu_offload", "pipeline_check", "compile", "fused_optimizer"):
         if not isinstance(a[name], bool):
             raise ValueError(f"LLMParallelStrategy: `{name}` must be True or False, got {a[name]!r}.")
     if a["cpu_offload"] and a["zero_stage"] == 0:
@@ -210,4 +211,4 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
                                  "zero_stage", "context_parallel", "expert_parallel")}
     count = None if norm == "mean" else count_target_tokens if norm == "tokens" else norm
     return StrategyOptions(degrees, pipeline, a["sharding_backend"], compression, deepspeed, hf, litgpt, stack,
-                           a["pipeline_check"], count, a["context_parallel_mode"])
+                           a["pipeline_check"], count, a["context_parallel_mode"], a["fused_optimizer"])

@@ -1,0 +1,90 @@
+"""Which kernels the optimizers a LightningModule builds run on: torch's fused Adam/AdamW where they can, as
+torchtitan and Megatron train, and never a kernel that cannot take the group's parameters.
+
+torch picks an optimizer's implementation at each step when the user leaves ``foreach`` and ``fused`` unset:
+the per-tensor loop on CPU, ``foreach`` on GPUs. Two consequences for a parallelized model:
+
+- The fused kernel updates a tensor in one pass with the same arithmetic (on 2 CPU cores, AdamW over the example
+  GPT's 10.8M parameters: 7 ms instead of 34 ms for the loop) and takes DTensor parameters (tensor-parallel
+  and FSDP2 shards, on one or several meshes). Adam/AdamW groups left to torch are switched to it.
+- ``foreach`` and fused kernels refuse a list that mixes plain tensors and DTensors, which tensor parallelism
+  without FSDP2 leaves (a norm outside the plan stays a plain tensor). On GPUs torch would pick ``foreach`` for
+  such a group and fail at the first step; the group is set to the loop instead, and a user's explicit
+  ``foreach=True`` / ``fused=True`` on it is refused before training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+__all__ = ["apply_optimizer_kernels", "keep_kernels"]
+
+# Exact types: a subclass may override ``step`` with its own arithmetic. SGD's fused kernel has no DTensor rule.
+_FUSABLE = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def apply_optimizer_kernels(optimizers: Iterable[Optimizer], module: nn.Module, fused: bool = True) -> dict[str, int]:
+    """Set each parameter group's kernel; returns how many groups were switched to ``fused`` and to the loop."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    counts = {"fused": 0, "loop": 0}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            chosen = bool(group.get("foreach")) or bool(group.get("fused"))
+            if _mixed(group["params"]):
+                if chosen:
+                    raise ValueError(_mixed_message(optimizer, group, names))
+                if "foreach" in group:  # a torch optimizer: the loop is the implementation that runs this group
+                    group["foreach"] = False
+                    counts["loop"] += 1
+            elif fused and type(optimizer) in _FUSABLE and _fusable(group):
+                group["fused"] = True
+                counts["fused"] += 1
+    return counts
+
+
+@contextmanager
+def keep_kernels(optimizers: list[Optimizer]) -> Iterator[None]:
+    """Loading a checkpoint restores its parameter groups, kernel flags included (a one-process checkpoint has
+    none): the kernels stay this run's choice. Fused kernels keep the step count on the parameters' device."""
+    before = [[(g.get("fused"), g.get("foreach")) for g in opt.param_groups] for opt in optimizers]
+    yield
+    for optimizer, kernels in zip(optimizers, before):
+        for group, (fused, foreach) in zip(optimizer.param_groups, kernels):
+            if "fused" in group:
+                group["fused"], group["foreach"] = fused, foreach
+            for p in group["params"] if fused else []:
+                state = optimizer.state.get(p, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
+
+def _mixed(params: list[torch.Tensor]) -> bool:
+    return len({isinstance(p, DTensor) for p in params}) > 1
+
+
+def _fusable(group: dict[str, Any]) -> bool:
+    if group.get("fused") is not None or group.get("foreach") is not None or group.get("differentiable"):
+        return False  # the user chose an implementation (or needs the differentiable loop)
+    devices = _get_fused_kernels_supported_devices()
+    params = group["params"]
+    return bool(params) and all(p.is_floating_point() and p.device.type in devices for p in params)
+
+
+def _mixed_message(optimizer: Optimizer, group: dict[str, Any], names: dict[int, str]) -> str:
+    plain = next(names.get(id(p), "?") for p in group["params"] if not isinstance(p, DTensor))
+    sharded = next(names.get(id(p), "?") for p in group["params"] if isinstance(p, DTensor))
+    kernel = "fused=True" if group.get("fused") else "foreach=True"
+    return (
+        f"{type(optimizer).__name__}({kernel}) steps a parameter group holding both plain tensors (e.g. '{plain}')"
+        f" and DTensor shards (e.g. '{sharded}'), which torch's {kernel.split('=')[0]} kernels cannot take in one"
+        " call. Leave foreach and fused unset (LLMParallelStrategy then runs the loop on this group), set"
+        f" foreach=False, or put the plain parameters in a group of their own."
+    )
