@@ -103,8 +103,8 @@ class _StepTimes(Callback):
         if self.profiler is not None:
             self.profiler.__exit__(None, None, None)
 
-    def top_ops(self, n: int = 12) -> list[dict[str, Any]]:
-        """Ops by self CPU time per measured step (ms)."""
+    def top_ops(self, n: int | None = 12) -> list[dict[str, Any]]:
+        """Ops by self CPU time per measured step (ms); ``n=None``: every op."""
         steps = max(1, len(self.times))
         events = sorted(self.profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:n]
         return [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps, "calls_per_step": e.count / steps}
@@ -149,7 +149,7 @@ def _strategy(name: str) -> tuple[Any, type[GPTModule]]:
     raise ValueError(name)
 
 
-def _one_run(name: str, steps: int, warmup: int, profile: bool = False) -> Any:
+def _one_run(name: str, steps: int, warmup: int, profile: bool = False, top: int | None = 12) -> Any:
     seed_everything(0, verbose=False)
     strategy, cls = _strategy(name)
     timer = _StepTimes(warmup, profile)
@@ -158,10 +158,10 @@ def _one_run(name: str, steps: int, warmup: int, profile: bool = False) -> Any:
                       callbacks=[timer], use_distributed_sampler=False)
     module = cls(**MODEL, learning_rate=1e-3, warmup_steps=2, total_steps=steps)
     trainer.fit(module, datamodule=_Tokens())
-    return timer.top_ops() if profile else statistics.median(timer.times)
+    return timer.top_ops(top) if profile else statistics.median(timer.times)
 
 
-def _profiles(names: list[str], steps: int, warmup: int) -> dict[str, Any]:
+def _profiles(names: list[str], steps: int, warmup: int, top: int | None = 12) -> dict[str, Any]:
     import traceback
 
     env = dict(os.environ)
@@ -169,7 +169,7 @@ def _profiles(names: list[str], steps: int, warmup: int) -> dict[str, Any]:
     for name in names:
         os.environ.update(env)
         try:
-            out[name] = _one_run(name, steps, warmup, profile=True)
+            out[name] = _one_run(name, steps, warmup, profile=True, top=top)
         except Exception:  # noqa: BLE001
             out[name] = traceback.format_exc().strip().splitlines()[-1]
     return out
