@@ -111,6 +111,48 @@ class _StepTimes(Callback):
                 for e in events]
 
 
+# Why a pair stays below 1.0x on this machine; each with the profile figure that measures it (``_below_parity``).
+WHY = {
+    "llmpar_zero0": "FSDP2, which lets ZeRO-0 take tensor-parallel DTensors, reduces each unit's gradients with a"
+                    " blocking dist.all_reduce inside FSDP::post_backward_reduce (torch's foreach_reduce; on GPUs it runs"
+                    " on a side stream). On gloo the backward thread waits for it, so the reduction does not overlap the"
+                    " rest of backward as DDP's asynchronous bucketed all-reduce does: fsdp_reduce_blocking_ms_per_step.",
+    "llmpar_tp2": "sequence parallelism (the default) turns each block's all-reduces into all-gathers and reduce-scatters"
+                  " around the norms: more collectives (collective_calls_per_step), latency-bound on gloo with 2 cores."
+                  " It exists to cut activation memory by the tensor-parallel degree; llmpar_tp2_no_sp is the like-for-like"
+                  " pair.",
+    "llmpar_zero3": "the same FSDP2 units and collectives as ModelParallelStrategy with a user-written fully_shard per"
+                    " block (compare fsdp_reduce_blocking_ms_per_step); the two have measured 0.85-1.04x of each other"
+                    " across full runs on this machine, within its run-to-run spread (rounds_seconds).",
+}
+
+
+def _ops_sum(ops: list[dict[str, Any]], prefixes: tuple[str, ...], field: str) -> float:
+    return round(sum(op[field] for op in ops if op["op"].startswith(prefixes)), 1)
+
+
+def _below_parity(pairs: list[dict[str, Any]], profiles: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        ours, theirs, ratio = pair["ours"], pair["theirs"], pair["ratio_theirs_over_ours"]
+        if ratio is None or ratio >= 1.0:
+            continue
+        key = "llmpar_zero0" if ours.startswith("llmpar_zero0") else ours
+        why = WHY.get(key, "torch's per-tensor optimizer loop over DTensors" if ours.endswith("_torch_kernels") else
+                      "not analysed; see profile_rank0_top_ops")
+        entry: dict[str, Any] = {"ratio": ratio, "why": why}
+        for name in (ours, theirs):
+            ops = profiles.get(name)
+            if isinstance(ops, list):
+                entry[name] = {
+                    "fsdp_reduce_blocking_ms_per_step": _ops_sum(ops, ("FSDP::post_backward_reduce",), "self_ms_per_step"),
+                    "collective_calls_per_step": _ops_sum(ops, ("c10d::", "_c10d_functional::"), "calls_per_step"),
+                    "optimizer_ms_per_step": _ops_sum(ops, ("Optimizer.step", "aten::_fused_adam"), "self_ms_per_step"),
+                }
+        out[f"{ours} vs {theirs}"] = entry
+    return out
+
+
 def _strategy(name: str) -> tuple[Any, type[GPTModule]]:
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
@@ -204,7 +246,7 @@ def main() -> None:
     names = sorted({n for pair in pairs_run for n in pair})
     ranks = run_ranks(_rounds, 2, names, args.rounds, args.steps, args.warmup, timeout=3000)
     runs = ranks[0]
-    profiles = run_ranks(_profiles, 2, names, args.steps, args.warmup, timeout=3000)[0] if args.profile else None
+    profiles = run_ranks(_profiles, 2, names, args.steps, args.warmup, None, timeout=3000)[0] if args.profile else None
     seconds = {n: statistics.median(v) if isinstance(v, list) and v else v for n, v in runs.items()}
     pairs = []
     for ours, theirs in pairs_run:
@@ -217,7 +259,8 @@ def main() -> None:
         "seconds_per_step_median": seconds, "rounds_seconds": runs, "pairs": pairs,
     }
     if profiles is not None:
-        result["profile_rank0_top_ops"] = profiles
+        result["below_parity"] = _below_parity(pairs, profiles)
+        result["profile_rank0_top_ops"] = {n: v[:12] if isinstance(v, list) else v for n, v in profiles.items()}
     out = OUT if not args.only else OUT.with_name(f"vs_lightning_{args.only.replace(',', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
