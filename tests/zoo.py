@@ -293,7 +293,8 @@ def fit_case(
 
     return {"compiled_frames": counters["frames"]["ok"],
             "losses": record.losses, "grads": record.grads, "held": held / total, "param_dtype": str(dtype),
-            "plugin": type(trainer.precision_plugin).__name__, "params": params, "metrics": record.metrics}
+            "plugin": type(trainer.precision_plugin).__name__, "params": params, "metrics": record.metrics,
+            "kernels": {(g.get("fused"), g.get("foreach")) for opt in trainer.optimizers for g in opt.param_groups}}
 
 
 def _checkpointing(mode: str | None) -> list[Callback]:
