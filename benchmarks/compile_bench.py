@@ -34,7 +34,7 @@ KEPT = {"gemm": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"), "atte
 
 def _kind(op: str) -> str:
     for kind, marks in KEPT.items():
-        if any(op.startswith(m) or m in op for m in marks):
+        if any(m in op for m in marks):
             return kind
     return "other_aten" if op.startswith("aten::") else "other"
 
