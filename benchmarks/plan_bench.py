@@ -165,7 +165,7 @@ def memory_part(steps: int) -> dict[str, Any]:
         print(f"world {world}: {len(layouts)} layouts in {time.perf_counter() - start:.0f} s")
         for i, c in enumerate(layouts):
             measured = max(rank[i] for rank in per_rank)
-            predicted = predict_memory(spec, c, SEQ, PRECISIONS["32-true"], "cpu")
+            predicted = predict_memory(spec, c, SEQ, PRECISIONS["32-true"])
             rows.append({
                 "layout": c.label(), "world_size": world, "measured_mib": measured / MiB,
                 "measured_per_rank_mib": [rank[i] / MiB for rank in per_rank],

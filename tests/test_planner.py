@@ -57,7 +57,7 @@ def test_spec_counts_the_parameters_of_the_real_models(tmp_path: Path) -> None:
 
 def test_memory_terms_move_the_way_each_technique_moves_them() -> None:
     spec = model_spec(GPT)
-    peak = lambda **kw: predict_memory(spec, Candidate(**kw), 256, FP32, "cpu")  # noqa: E731
+    peak = lambda **kw: predict_memory(spec, Candidate(**kw), 256, FP32)  # noqa: E731
     none, selective, full = (peak(micro_batch=8, checkpointing=m).activations for m in ("none", "selective", "full"))
     assert full < selective < none
     z0, z2, z3 = (peak(dp=4, dp_replicate=4 if z == 0 else 1, zero=z, micro_batch=8) for z in (0, 2, 3))
@@ -106,7 +106,7 @@ def test_predicted_peaks_are_within_ten_percent_of_measured_ones() -> None:
     spec = model_spec(model)
     for i, c in enumerate(layouts):
         measured = max(rank[i] for rank in per_rank)
-        predicted = predict_memory(spec, c, 128, FP32, "cpu").peak
+        predicted = predict_memory(spec, c, 128, FP32).peak
         assert abs(predicted / measured - 1) <= 0.10, (c.label(), predicted / 2**20, measured / 2**20)
 
 

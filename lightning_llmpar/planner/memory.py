@@ -86,13 +86,13 @@ def _local_params(spec: ModelSpec, c: Candidate, rank: int) -> tuple[float, floa
 
 
 def predict_memory(
-    spec: ModelSpec, c: Candidate, seq: int, precision: Precision, device: str = "cuda"
+    spec: ModelSpec, c: Candidate, seq: int, precision: Precision
 ) -> MemoryEstimate:
     """The peak bytes of the fullest pipeline rank for ``c`` training ``spec`` on sequences of ``seq`` tokens."""
-    return max((_rank_memory(spec, c, seq, precision, device, r) for r in range(c.pp)), key=lambda m: m.peak)
+    return max((_rank_memory(spec, c, seq, precision, r) for r in range(c.pp)), key=lambda m: m.peak)
 
 
-def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, device: str, rank: int) -> MemoryEstimate:
+def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: int) -> MemoryEstimate:
     local, unit = _local_params(spec, c, rank)
     sharded = local / c.shard if c.fsdp else local
     master = sharded * FP32
@@ -135,8 +135,9 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, device: 
     base = master + gathered + optimizer + buffers
     during = max(base + max(grads, grads_in_backward) + kept + logits,
                  base + reduce_buffer + working + max(kept + logits + grads_in_backward, grads))
-    # torch's foreach AdamW (the default on GPUs) makes a temporary as large as one moment.
-    step = master + grads + optimizer + (sharded * FP32 if device == "cuda" else 0.0)
+    # AdamW steps in place: LLMParallelStrategy runs torch's fused kernel (fused_optimizer=True), which, unlike
+    # torch's GPU default foreach, makes no temporary as large as a moment.
+    step = master + grads + optimizer
     return MemoryEstimate(parameters=master, gathered=gathered, gradients=grads, optimizer=optimizer,
                           activations=activations, logits=logits, buffers=buffers + reduce_buffer,
                           peak=max(during, step), rank=rank)

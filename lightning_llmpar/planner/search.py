@@ -176,7 +176,7 @@ def plan(
     budget = cluster.memory_gb * 1e9 * (1 - headroom)
     rows = []
     for c in candidates(spec, cluster, global_batch, seq, **search):
-        memory = predict_memory(spec, c, seq, p, cluster.device)
+        memory = predict_memory(spec, c, seq, p)
         rows.append(PlannedLayout(c, memory, predict_step_time(spec, c, seq, cluster, p), memory.peak <= budget))
     if not rows:
         raise ValueError(
