@@ -224,8 +224,8 @@ class _Planner(MoEPlanning):
                 self._record_packing(name, children[n], packing)
         for n in sorted(rows):
             self._add(_join(full, n), SplitLinear("row", output=row_out), covered)
-        if self.seq and not inline and not in_moe:
-            self._add(full + "#in", PrepareFirstInput(TOKEN, Replicate()), covered)
+        if not inline and not (self.seq and in_moe):  # a MoE layer under SP gathers its input itself
+            self._add(full + "#in", PrepareFirstInput(TOKEN if self.seq else Replicate(), Replicate()), covered)
         if not inline:
             covered.add(full)
         return inline

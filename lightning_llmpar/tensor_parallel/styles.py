@@ -48,6 +48,19 @@ def _distribute(param: Tensor, mesh: DeviceMesh, placement: Placement, packing: 
     return nn.Parameter(distribute_tensor(data, mesh, [placement]), requires_grad=param.requires_grad)
 
 
+# Set on the local tensor a region's code receives (see PrepareFirstInput): the replicated DTensor it is a view
+# of, and the tensor's version then.
+_REGION_INPUT = "_llmpar_region_input"
+
+
+def _region_input(tensor: Any, mesh: DeviceMesh) -> DTensor | None:
+    """The DTensor behind a region's input, if ``tensor`` is that input, unchanged since."""
+    held = getattr(tensor, _REGION_INPUT, None)
+    if held is None or held[1] != tensor._version or held[0].device_mesh != mesh:
+        return None  # an in-place change since would be missing from the DTensor's autograd history
+    return held[0]
+
+
 def _to_dtensor(tensor: Tensor, mesh: DeviceMesh, current: Placement | str, desired: Placement | str) -> DTensor:
     dt = tensor if isinstance(tensor, DTensor) else DTensor.from_local(tensor, mesh, (_resolve(current, tensor),), run_check=False)
     target = _resolve(desired, tensor)
@@ -91,6 +104,10 @@ class SplitLinear(ParallelStyle):
             module.register_parameter("bias", _distribute(bias, mesh, placement, packing))
 
     def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        if self.kind == "col" and self.input == Replicate() and (shared := _region_input(inputs[0], mesh)) is not None:
+            # Every column split of a region reads the region's own DTensor: their partial input gradients add up
+            # there and are reduced once per region, not once per projection (Megatron's "f").
+            return (shared, *inputs[1:])
         desired = Replicate() if self.kind == "col" else Shard(-1)
         return (_to_dtensor(inputs[0], mesh, self.input, desired), *inputs[1:])
 
@@ -249,7 +266,9 @@ class PrepareFirstInput(ParallelStyle):
     """Redistribute only the first tensor argument of a module (positional or keyword).
 
     ``PrepareModuleInput`` insists on a layout for every positional argument; blocks of real models
-    take extra arguments (masks, rotary tables) that must pass through untouched.
+    take extra arguments (masks, rotary tables) that must pass through untouched. A replicated result
+    (a region's input) remembers its DTensor for the region's column splits. Anything else the region
+    does with the tensor keeps its own, whole, gradient, which DTensor adds to theirs before reducing.
     """
 
     def __init__(self, current: Any, desired: Any) -> None:
@@ -265,7 +284,17 @@ class PrepareFirstInput(ParallelStyle):
                 f" batch has sequence length {tensor.shape[tensor.dim() - 2]}. Use lengths divisible by"
                 f" {mesh.size()}, or set sequence_parallel=False."
             )
-        return _to_dtensor(tensor, mesh, self.current, self.desired).to_local()
+        if self.current == self.desired == Replicate() and not isinstance(tensor, DTensor):
+            # Nothing to move: the region gets a plain view it may change in place (to_local's may not), and
+            # its column splits a DTensor of that view.
+            local = tensor.view_as(tensor)
+            dt = DTensor.from_local(local, mesh, (Replicate(),), run_check=False)
+        else:
+            dt = _to_dtensor(tensor, mesh, self.current, self.desired)
+            local = dt.to_local()
+        if dt.placements == (Replicate(),):
+            setattr(local, _REGION_INPUT, (dt, local._version))
+        return local
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         first = first_arg_name(module)
