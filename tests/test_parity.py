@@ -91,7 +91,8 @@ def test_transformers_llama_layouts_match_single_process(kwargs: dict[str, Any],
 @pytest.mark.parametrize(
     ("kwargs", "world"),
     [pytest.param({"tensor_parallel": 2, "zero_stage": 3}, 4, id="tp2-dp2-zero3"),
-     pytest.param({"tensor_parallel": 2}, 2, id="tp2")],
+     pytest.param({"tensor_parallel": 2}, 2, id="tp2"),
+     pytest.param({"zero_stage": 0}, 2, id="dp2-zero0")],
 )
 def test_accumulation_and_global_norm_clipping(kwargs: dict[str, Any], world: int) -> None:
     # SGD, because Adam would cancel a wrong clipping factor; clip at 0.1 so every step is clipped.
