@@ -116,7 +116,8 @@ WHY = {
     "llmpar_zero0": "FSDP2, which lets ZeRO-0 take tensor-parallel DTensors, reduces each unit's gradients with a"
                     " blocking dist.all_reduce inside FSDP::post_backward_reduce (torch's foreach_reduce; on GPUs it runs"
                     " on a side stream). On gloo the backward thread waits for it, so the reduction does not overlap the"
-                    " rest of backward as DDP's asynchronous bucketed all-reduce does: fsdp_reduce_blocking_ms_per_step.",
+                    " rest of backward as DDP's asynchronous bucketed all-reduce does: fsdp_reduce_blocking_ms_per_step. An"
+                    " overlapped all-reduce hook measured no faster on 2 cores (benchmarks/README.md).",
     "llmpar_tp2": "sequence parallelism (the default) turns each block's all-reduces into all-gathers and reduce-scatters"
                   " around the norms: more collectives (collective_calls_per_step), latency-bound on gloo with 2 cores."
                   " It exists to cut activation memory by the tensor-parallel degree; llmpar_tp2_no_sp is the like-for-like"
