@@ -35,6 +35,7 @@ from lightning_llmpar.pipeline.check import first_sample
 from lightning_llmpar.pipeline.runner import PipelineRunner
 from lightning_llmpar.pipeline.setup import build_pipeline
 from lightning_llmpar.precision.plugins import mesh_precision
+from lightning_llmpar.tensor_parallel.grads import reduce_partial_grads
 from lightning_llmpar.training.clip import clip_grad_norm_
 from lightning_llmpar.training.loss_normalization import TokenNormalizer
 from lightning_llmpar.training.optimizer import apply_optimizer_kernels, keep_kernels
@@ -75,7 +76,13 @@ class ShardingBackend:
         return ParallelStrategy.backward(self.strategy, loss, optimizer, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        return ParallelStrategy.optimizer_step(self.strategy, optimizer, closure, model, **kwargs)
+        def closure_then_complete_grads() -> Any:
+            result = closure()  # the last micro-batch's forward and backward
+            if self.strategy.layout.tp > 1:  # before clipping and the step read them (see tensor_parallel.grads)
+                reduce_partial_grads(p for group in optimizer.param_groups for p in group["params"])
+            return result
+
+        return ParallelStrategy.optimizer_step(self.strategy, optimizer, closure_then_complete_grads, model, **kwargs)
 
     def write_checkpoint(self, folder: Path, meta: dict[str, Any]) -> None:
         raise NotImplementedError

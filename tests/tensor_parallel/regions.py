@@ -81,6 +81,8 @@ class _Collectives(TorchDispatchMode):
         name = str(func)
         if name.startswith("_c10d_functional.") and "wait" not in name and "wrap" not in name:
             self.calls[name.split(".")[1]] += 1
+        elif name.startswith("c10d."):  # torch.distributed's own calls
+            self.calls[name] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -90,6 +92,7 @@ def run_case(reader: str, inplace: bool, sequence_parallel: bool) -> dict[str, A
 
     from lightning_llmpar.layout import ParallelLayout
     from lightning_llmpar.parallelize import ParallelConfig, parallelize
+    from lightning_llmpar.tensor_parallel.grads import reduce_partial_grads
 
     dist.init_process_group("gloo")
     try:
@@ -102,12 +105,17 @@ def run_case(reader: str, inplace: bool, sequence_parallel: bool) -> dict[str, A
         layout = ParallelLayout(world_size=2, tp=2)
         mesh, _ = layout.build_mesh("cpu")
         parallelize(model, layout, mesh, ParallelConfig(sequence_parallel=sequence_parallel))
-        counter = _Collectives()
+        counter, completing = _Collectives(), _Collectives()
         loss = model(x).pow(2).mean()
         with counter:
             loss.backward()
+        partial = sorted(n for n, p in model.named_parameters() if "Partial" in str(getattr(p.grad, "placements", "")))
+        with completing:
+            completed = reduce_partial_grads(model.parameters())
+        left = [n for n, p in model.named_parameters() if "Partial" in str(getattr(p.grad, "placements", ""))]
         grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
         error = max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
-        return {"grad_error": error, "backward": dict(counter.calls)}
+        return {"grad_error": error, "backward": dict(counter.calls), "partial": partial, "completed": completed,
+                "completing": dict(completing.calls), "left": left}
     finally:
         dist.destroy_process_group()

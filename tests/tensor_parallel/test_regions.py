@@ -39,3 +39,13 @@ def test_a_region_changing_its_input_in_place_still_differentiates_the_change() 
     for r in results:
         assert r["grad_error"] < 1e-5, r
     assert results[0]["backward"].get("all_reduce") == BLOCKS * 3, results[0]["backward"]  # attention 1, MLP 2
+
+
+def test_partial_norm_gradients_are_completed_in_one_all_reduce() -> None:
+    # Under sequence parallelism the whole norm weights see this rank's tokens only: DTensor leaves their gradients
+    # Partial. The strategy completes them together before clipping and the optimizer read them one by one.
+    for r in run_ranks(run_case, 2, reader="", inplace=False, sequence_parallel=True):
+        assert len(r["partial"]) == 4 * BLOCKS and all("norm" in n for n in r["partial"]), r  # weight, bias x 2 norms
+        assert r["completed"] == 4 * BLOCKS and r["left"] == [], r
+        assert r["completing"] == {"c10d.allreduce_.default": 1}, r
+        assert r["grad_error"] < 1e-5, r
