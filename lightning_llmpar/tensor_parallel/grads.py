@@ -4,8 +4,8 @@ A whole weight applied to activations sharded over the tensor-parallel ranks (a 
 parallelism, a per-head q/k norm) gets a ``Partial`` gradient from DTensor: each rank holds its tokens' or
 heads' share. Left so, every later reader redistributes it on its own (the global-norm clip, then the
 optimizer, once per parameter and per use), each a small latency-bound all-reduce. Megatron sums its
-sequence-parallel norm gradients in one bucket after backward; this does the same, one all-reduce per mesh
-and layout. FSDP2 completes the gradients it reduces itself, so this finds work only where it does not run.
+sequence-parallel norm gradients in one bucket after backward; this does the same, one all-reduce per mesh,
+layout and dtype. FSDP2 completes the gradients it reduces itself, so this finds work only where it does not run.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ __all__ = ["reduce_partial_grads"]
 
 def reduce_partial_grads(parameters: Iterable[Tensor]) -> int:
     """Turn every summed-``Partial`` gradient among ``parameters`` into a ``Replicate`` one, one all-reduce per
-    (mesh, placements) group; returns how many gradients were completed."""
+    (mesh, placements, dtype) group and partial mesh dim; returns how many gradients were completed."""
     groups: dict[tuple, list[Tensor]] = defaultdict(list)
     for p in parameters:
         g = p.grad
