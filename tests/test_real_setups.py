@@ -37,18 +37,23 @@ def _cases(world: int, cases: list[tuple[str, dict[str, Any] | None, dict[str, A
 # ----------------------------------------------------------------------------------------- frozen parameters
 
 
-FROZEN = [{"frozen": "head_only", "clip": 1.0}, {"frozen": "lora", "clip": 1.0}]
+FROZEN = [{"frozen": "head_only", "clip": 1.0}, {"frozen": "lora", "clip": 1.0}, {"frozen": "attention", "clip": 1.0}]
 
 
 def test_frozen_parameters_and_lora_match_one_process_with_clipping() -> None:
     pytest.importorskip("peft")
     refs = _cases(1, [("llama", None, o) for o in FROZEN])
+    head, lora, attention = FROZEN
     # A pipeline stage with nothing to train still joins the clipping collective (it used to hang here).
     # ZeRO-2 groups the (partly or wholly frozen) blocks into shared FSDP2 units; ZeRO-3 keeps one unit per block.
-    two = _cases(2, [("llama", {"pipeline_parallel": 2}, o) for o in FROZEN] + [("llama", {"zero_stage": 3}, FROZEN[1])]
-                 + [("llama", {"zero_stage": 2}, o) for o in FROZEN], timeout=300)
-    for ref, outs in zip(refs + refs[1:] + refs, two, strict=True):
-        assert_exact(ref[0], outs)
+    # Tensor parallelism (LoRA under it is refused, below): frozen attention projections still reduce their
+    # region's input gradient once, and the sequence-parallel norms' partial gradients are completed before clipping.
+    cases = [({"pipeline_parallel": 2}, head, 0), ({"pipeline_parallel": 2}, lora, 1), ({"zero_stage": 3}, lora, 1),
+             ({"zero_stage": 2}, head, 0), ({"zero_stage": 2}, lora, 1), ({"tensor_parallel": 2}, head, 0),
+             ({"tensor_parallel": 2}, attention, 2), ({"tensor_parallel": 2, "sequence_parallel": False}, attention, 2)]
+    two = _cases(2, [("llama", kw, o) for kw, o, _ in cases], timeout=300)
+    for (_, _, ref), outs in zip(cases, two, strict=True):
+        assert_exact(refs[ref][0], outs)
     assert set(refs[1][0]["grads"]) == {n for n in refs[1][0]["grads"] if "lora_" in n}, "only adapters train"
 
 
@@ -168,12 +173,15 @@ def test_padded_batches_token_exact_under_every_layout() -> None:
     two = _cases(2, [("llama", {**tokens, "zero_stage": 3}, opts), ("llama", {**tokens, "pipeline_parallel": 2}, opts),
                      # 2 ranks x 2 accumulated micro-steps x 2 samples = the one-process batch of 8
                      ("llama", {**tokens, "zero_stage": 2}, {**opts, "accumulate": 2, "batch": 2}),
+                     # tensor parallelism: both ranks read the whole batch of 8, or 2 accumulated micro-steps of 4
+                     ("llama", {"tensor_parallel": 2}, opts),
+                     ("llama", {**tokens, "tensor_parallel": 2}, {**opts, "accumulate": 2, "batch": 4}),
                      ("llama", {"zero_stage": 3}, opts)])
-    for outs in two[:3]:
+    for outs in two[:5]:
         _same_training(ref, outs)
     # The default (a mean of per-rank means, as DDP) trains differently on padded data: what the option is for.
     with pytest.raises(AssertionError):
-        _same_training(ref, two[3])
+        _same_training(ref, two[5])
 
 
 # ----------------------------------------------------------------------------------------- dropout

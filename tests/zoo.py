@@ -100,6 +100,9 @@ class HFCausalLM(LightningModule):
         if frozen == "head_only":  # fine-tune the LM head only: the first pipeline stage has no gradient at all
             for pname, p in self.model.named_parameters():
                 p.requires_grad_(pname.startswith("lm_head"))
+        elif frozen == "attention":  # frozen attention projections still pass their input gradient back
+            for pname, p in self.model.named_parameters():
+                p.requires_grad_(".self_attn." not in pname)
         elif frozen == "lora":
             from peft import LoraConfig, get_peft_model
 
