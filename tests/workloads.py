@@ -190,7 +190,12 @@ def fit(
             "logged": logged, "val": val, "predictions": predictions,
             "checkpointing_applied": any(getattr(c, "applied", False) for c in callbacks),
             "plugin": _plugin_report(trainer), "extra": [_plain(vars(c)) for c in callbacks_extra or []],
-            "kernels": {(g.get("fused"), g.get("foreach")) for opt in trainer.optimizers for g in opt.param_groups}}
+            "kernels": kernels(trainer)}
+
+
+def kernels(trainer: Trainer) -> set[tuple[Any, Any]]:
+    """The (fused, foreach) flags of every parameter group: which optimizer kernel each runs."""
+    return {(g.get("fused"), g.get("foreach")) for opt in trainer.optimizers for g in opt.param_groups}
 
 
 def _plain(state: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_llmpar.data import ordered_loader
 from tests.custom_models import ShiftedLM
+from tests.workloads import kernels
 
 VOCAB, SEQ, SAMPLES = 64, 16, 64
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -297,7 +298,7 @@ def fit_case(
     return {"compiled_frames": counters["frames"]["ok"],
             "losses": record.losses, "grads": record.grads, "held": held / total, "param_dtype": str(dtype),
             "plugin": type(trainer.precision_plugin).__name__, "params": params, "metrics": record.metrics,
-            "kernels": {(g.get("fused"), g.get("foreach")) for opt in trainer.optimizers for g in opt.param_groups}}
+            "kernels": kernels(trainer)}
 
 
 def _checkpointing(mode: str | None) -> list[Callback]:

@@ -93,6 +93,7 @@ def run_case(reader: str, inplace: bool, sequence_parallel: bool) -> dict[str, A
     from lightning_llmpar.layout import ParallelLayout
     from lightning_llmpar.parallelize import ParallelConfig, parallelize
     from lightning_llmpar.tensor_parallel.grads import reduce_partial_grads
+    from tests.workloads import full
 
     dist.init_process_group("gloo")
     try:
@@ -113,7 +114,7 @@ def run_case(reader: str, inplace: bool, sequence_parallel: bool) -> dict[str, A
         with completing:
             completed = reduce_partial_grads(model.parameters())
         left = [n for n, p in model.named_parameters() if "Partial" in str(getattr(p.grad, "placements", ""))]
-        grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
+        grads = {n: full(p.grad) for n, p in model.named_parameters()}
         error = max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
         return {"grad_error": error, "backward": dict(counter.calls), "partial": partial, "completed": completed,
                 "completing": dict(completing.calls), "left": left}
