@@ -18,7 +18,7 @@ from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.modeling.structure import find_block_stack
 from lightning_llmpar.modeling.ties import find_tied_weights, retie
 from lightning_llmpar.tensor_parallel import Packing, apply_tensor_parallel, infer_tp_plan
-from lightning_llmpar.training.compile import apply_compile
+from lightning_llmpar.training.compile import apply_compile, check_no_dropout
 
 __all__ = ["ParallelConfig", "Parallelized", "parallelize"]
 
@@ -70,18 +70,23 @@ def parallelize(
     """
     done = Parallelized()
     if layout.tp > 1:
+        if config.compile:
+            check_no_dropout(model)  # so the per-rank dropout streams, which compiled code cannot use, are not needed
         tied = find_tied_weights(model)
         plan = infer_tp_plan(model, layout.tp, sequence_parallel=config.sequence_parallel, user_plan=config.tp_plan)
-        apply_tensor_parallel(model, mesh["tp"], plan)
+        apply_tensor_parallel(model, mesh["tp"], plan, rank_streams=not config.compile)
         retie(model, tied)  # sharding gave each user of a tied weight its own parameter
         done.packings = plan.packings
     expert_mesh, expert_dp_mesh = layout.expert_meshes(mesh) if layout.ep > 1 else (None, None)
     if layout.ep > 1 or config.expert_capacity_factor is not None:
         # After tensor parallelism, which split each expert along its FFN width: the expert split goes in front.
         done.expert_parallel = apply_expert_parallel(model, expert_mesh, config.expert_capacity_factor)
+    if config.compile and layout.tp > 1:
+        # Each block's forward, before checkpointing wraps it: torch cannot trace a checkpoint of DTensor code.
+        apply_compile(model, tensor_parallel=True)
     if checkpointing is not None:
         checkpointing.apply(model, mesh)
-    if config.compile:
+    if config.compile and layout.tp == 1:
         apply_compile(model)  # after checkpointing wrapped the blocks, before FSDP2's hooks
     if not (layout.dp * layout.cp > 1 or config.cpu_offload or config.always_shard):
         return done

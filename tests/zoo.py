@@ -248,6 +248,11 @@ def fit_case(
     record = Record()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     kwargs = dict(strategy_kwargs or {})
+    if kwargs.get("compile"):
+        # Compiled code and the frame counter are per process: start each case afresh, so an earlier case's
+        # compilations neither count for it nor use up its recompilations.
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
     if pretrained is not None and strategy_kwargs is not None:
         kwargs["hf_checkpoint"] = pretrained
     if litgpt_pretrained is not None and strategy_kwargs is not None:

@@ -118,10 +118,10 @@ def _check_compile(a: dict[str, Any]) -> None:
     if not a["compile"]:
         return
     _refuse_clashes(
-        "compile=True", {"tensor_parallel": a["tensor_parallel"] > 1, "context_parallel": a["context_parallel"] > 1,
-                         "expert_parallel": a["expert_parallel"] > 1},
+        "compile=True", {"context_parallel": a["context_parallel"] > 1, "expert_parallel": a["expert_parallel"] > 1},
         " yet: their hooks and collectives inside a block are not traced by torch.compile here. Use compile=True"
-        " with data parallelism (ZeRO 0-3), pipeline parallelism and activation checkpointing, or compile=False.",
+        " with data parallelism (ZeRO 0-3), tensor parallelism, pipeline parallelism and activation checkpointing,"
+        " or compile=False.",
     )
 
 

@@ -14,8 +14,9 @@ from lightning_llmpar.tensor_parallel.rng import apply_rank_streams
 __all__ = ["apply_tensor_parallel"]
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
-    """Shard ``model`` in place over ``tp_mesh`` following ``plan`` (see :func:`infer_tp_plan`)."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, rank_streams: bool = True) -> nn.Module:
+    """Shard ``model`` in place over ``tp_mesh`` following ``plan`` (see :func:`infer_tp_plan`). ``rank_streams=False``
+    leaves out the per-rank dropout streams (for models that drop nothing)."""
     # Keys may carry a '#tag' when one module gets several styles (e.g. a block's input preparation and,
     # separately, its output gathering): apply each on its own. Order is the plan's, the same on every
     # rank: sharding a parameter is a collective.
@@ -24,7 +25,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -
             continue
         name = key.split("#", 1)[0]
         parallelize_module(model.get_submodule(name) if name else model, tp_mesh, style)
-    apply_rank_streams(model, plan.rank_streams, tp_mesh.get_local_rank())
+    if rank_streams:
+        apply_rank_streams(model, plan.rank_streams, tp_mesh.get_local_rank())
     for name, counts in plan.local_counts.items():
         module = model.get_submodule(name)
         for attr, value in counts.items():

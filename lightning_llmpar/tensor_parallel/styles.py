@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -55,6 +56,8 @@ _REGION_INPUT = "_llmpar_region_input"
 
 def _region_input(tensor: Any, mesh: DeviceMesh) -> DTensor | None:
     """The DTensor behind a region's input, if ``tensor`` is that input, unchanged since."""
+    if torch.compiler.is_compiling():
+        return None  # compiled blocks reduce per projection: a DTensor held on a tensor does not trace
     held = getattr(tensor, _REGION_INPUT, None)
     if held is None or held[1] != tensor._version or held[0].device_mesh != mesh:
         return None  # an in-place change since would be missing from the DTensor's autograd history
@@ -292,7 +295,7 @@ class PrepareFirstInput(ParallelStyle):
         else:
             dt = _to_dtensor(tensor, mesh, self.current, self.desired)
             local = dt.to_local()
-        if dt.placements == (Replicate(),):
+        if dt.placements == (Replicate(),) and not torch.compiler.is_compiling():
             setattr(local, _REGION_INPUT, (dt, local._version))
         return local
 

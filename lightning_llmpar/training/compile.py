@@ -1,18 +1,30 @@
 """``torch.compile`` per block, as torchtitan does: each repeated block is compiled in place (the same code, so the
 blocks share one compiled graph), after tensor parallelism and activation checkpointing have wrapped it and
-before FSDP2 registers its hooks (which run outside the compiled region)."""
+before FSDP2 registers its hooks (which run outside the compiled region).
+
+Under tensor parallelism the block's DTensor hooks are traced with it. Two things do not survive tracing and are
+handled here: a block input that is a view of a DTensor's local tensor (what an eager ``to_local``, such as the
+sharded embedding's, hands over), whose gradient the compiled graph would hand back to that DTensor's autograd
+node as a plain tensor; and per-rank dropout streams, which reseed torch's generator between ops, so compiled
+blocks under tensor parallelism must not drop anything."""
 
 from __future__ import annotations
 
-from torch import nn
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.dropout import _DropoutNd
 
 from lightning_llmpar.modeling.structure import find_block_stack
 
-__all__ = ["apply_compile"]
+__all__ = ["apply_compile", "check_no_dropout"]
+
+_DROPOUT_NAMES = ("dropout", "pdrop")  # attributes and config fields models read their dropout rates from
 
 
-def apply_compile(model: nn.Module) -> int:
-    """Compile every block of ``model``'s block stack in place; returns how many were compiled."""
+def _find_stack(model: nn.Module) -> Any:
     stack = find_block_stack(model)
     if stack is None:
         raise ValueError(
@@ -20,7 +32,55 @@ def apply_compile(model: nn.Module) -> int:
             " nn.ModuleList of repeated blocks (see docs/model-convention.md). Set block_stack='...' to name it, or"
             " compile=False."
         )
-    blocks = stack.modules()
+    return stack
+
+
+def _dropout_rates(module: nn.Module) -> dict[str, float]:
+    rates = {"p": module.p} if isinstance(module, _DropoutNd) else {}
+    config = getattr(getattr(module, "config", None), "__dict__", {})
+    for owner, prefix in ((vars(module), ""), (config, "config.")):
+        for name, value in owner.items():
+            if isinstance(value, float) and any(key in name.lower() for key in _DROPOUT_NAMES):
+                rates[prefix + name] = value
+    return {name: rate for name, rate in rates.items() if rate > 0}
+
+
+def check_no_dropout(model: nn.Module) -> None:
+    """Refuse compiled blocks with dropout under tensor parallelism: ranks holding different heads or tokens
+    need their own dropout masks, drawn from per-rank streams that compiled code cannot switch to."""
+    found = [
+        f"{name}.{attr}={rate}"
+        for name, module in _find_stack(model).blocks.named_modules()
+        for attr, rate in _dropout_rates(module).items()
+    ]
+    if found:
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise ValueError(
+            f"compile=True with tensor_parallel cannot give each rank its own dropout masks, and this model's blocks"
+            f" drop activations ({shown}). Set those dropout rates to 0 (as LLM pretraining does), or use"
+            " compile=False with tensor_parallel."
+        )
+
+
+def _own_views(call: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        def own(a: Any) -> Any:
+            return a.clone() if isinstance(a, Tensor) and a.requires_grad and a._is_view() else a
+
+        return call(*(own(a) for a in args), **{k: own(v) for k, v in kwargs.items()})
+
+    return run
+
+
+def apply_compile(model: nn.Module, tensor_parallel: bool = False) -> int:
+    """Compile every block of ``model``'s block stack in place; returns how many were compiled."""
+    blocks = _find_stack(model).modules()
     for block in blocks:
-        block.compile()
+        if tensor_parallel:
+            # Only forward: the block's own hooks (its tensor-parallel entry and exit) run eagerly around it.
+            # A new shape compiles a graph of its own: DTensor code traced with symbolic shapes overflows the
+            # tracer's recursion (torch 2.13).
+            block.forward = _own_views(torch.compile(block.forward, dynamic=False))
+        else:
+            block.compile()
     return len(blocks)
