@@ -108,3 +108,15 @@ def test_compiled_tensor_parallel_blocks_with_dropout_are_refused() -> None:
     out = run_ranks(fit_cases, 2, [("llama", TP, 8, {"tag": "dropout", "dropout": 0.1})])[0][("llama", "dropout")]
     assert "ValueError" in out["error"] and "cannot give each rank its own dropout masks" in out["error"]
     assert "attention_dropout=0.1" in out["error"], out["error"][-600:]
+
+
+def test_dropout_is_found_on_the_modules_blocks_run() -> None:
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from lightning_llmpar.training.compile import check_no_dropout
+
+    quiet = dict(n_layer=2, n_embd=32, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    # The config's summary_first_dropout (0.1) belongs to a head the causal LM does not have.
+    check_no_dropout(AutoModelForCausalLM.from_config(GPT2Config(**quiet)))
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.resid_dropout\.p=0\.1"):
+        check_no_dropout(AutoModelForCausalLM.from_config(GPT2Config(**{**quiet, "resid_pdrop": 0.1})))

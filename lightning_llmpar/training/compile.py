@@ -1,12 +1,13 @@
 """``torch.compile`` per block, as torchtitan does: each repeated block is compiled in place (the same code, so the
-blocks share one compiled graph), after tensor parallelism and activation checkpointing have wrapped it and
-before FSDP2 registers its hooks (which run outside the compiled region).
+blocks share one compiled graph), after activation checkpointing has wrapped it and before FSDP2 registers its
+hooks (which run outside the compiled region).
 
-Under tensor parallelism the block's DTensor hooks are traced with it. Two things do not survive tracing and are
-handled here: a block input that is a view of a DTensor's local tensor (what an eager ``to_local``, such as the
-sharded embedding's, hands over), whose gradient the compiled graph would hand back to that DTensor's autograd
-node as a plain tensor; and per-rank dropout streams, which reseed torch's generator between ops, so compiled
-blocks under tensor parallelism must not drop anything."""
+Under tensor parallelism the block's ``forward`` is compiled instead, with its sub-modules' DTensor hooks, and
+before checkpointing wraps it: torch cannot trace a checkpoint of DTensor code. What else does not survive
+tracing is handled here: a block input that is a view of a DTensor's local tensor (what an eager ``to_local``,
+such as the sharded embedding's, hands over), whose gradient the compiled graph would hand back to that DTensor's
+autograd node as a plain tensor; symbolic shapes; and per-rank dropout streams, which reseed torch's generator
+between ops, so compiled blocks under tensor parallelism must not drop anything."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from lightning_llmpar.modeling.structure import find_block_stack
 
 __all__ = ["apply_compile", "check_no_dropout"]
 
-_DROPOUT_NAMES = ("dropout", "pdrop")  # attributes and config fields models read their dropout rates from
+_DROPOUT_NAMES = ("dropout", "pdrop")  # attributes models keep their dropout rates in
 
 
 def _find_stack(model: nn.Module) -> Any:
@@ -36,21 +37,23 @@ def _find_stack(model: nn.Module) -> Any:
 
 
 def _dropout_rates(module: nn.Module) -> dict[str, float]:
+    # The module's own attributes only: configs also carry rates of heads the model does not run (GPT-2's
+    # summary_first_dropout), while models copy the rates their blocks use onto the modules.
     rates = {"p": module.p} if isinstance(module, _DropoutNd) else {}
-    config = getattr(getattr(module, "config", None), "__dict__", {})
-    for owner, prefix in ((vars(module), ""), (config, "config.")):
-        for name, value in owner.items():
-            if isinstance(value, float) and any(key in name.lower() for key in _DROPOUT_NAMES):
-                rates[prefix + name] = value
+    for name, value in vars(module).items():
+        if isinstance(value, float) and any(key in name.lower() for key in _DROPOUT_NAMES):
+            rates[name] = value
     return {name: rate for name, rate in rates.items() if rate > 0}
 
 
 def check_no_dropout(model: nn.Module) -> None:
     """Refuse compiled blocks with dropout under tensor parallelism: ranks holding different heads or tokens
     need their own dropout masks, drawn from per-rank streams that compiled code cannot switch to."""
+    stack = _find_stack(model)
     found = [
         f"{name}.{attr}={rate}"
-        for name, module in _find_stack(model).blocks.named_modules()
+        for prefix, block in zip(stack.names(), stack.modules())
+        for name, module in block.named_modules(prefix=prefix)
         for attr, rate in _dropout_rates(module).items()
     ]
     if found:
