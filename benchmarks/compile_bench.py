@@ -1,5 +1,6 @@
-"""compile=True measured: the example GPT (6 blocks, d=384, 128 tokens, 4 samples per rank) at dp2, eager vs every
-block compiled (inductor on CPU), at ZeRO-0 and ZeRO-3, in interleaved rounds inside one launch of two gloo ranks.
+"""compile=True measured: the example GPT (6 blocks, d=384, 128 tokens, 4 samples per rank) on two gloo ranks, eager
+vs every block compiled (inductor on CPU), at dp2 ZeRO-0 and ZeRO-3 and at tp2 with and without sequence
+parallelism, in interleaved rounds inside one launch.
 The compile time falls in the warm-up steps; the median seconds per measured step are compared.
 
 ``--profile`` adds where rank 0's time goes per step (torch.profiler self CPU time by kind of op) and the ceiling
@@ -25,7 +26,7 @@ from benchmarks.vs_lightning import BATCH, MODEL, _profiles, _rounds
 from tests.distributed import run_ranks
 
 OUT = Path(__file__).parent / "results" / "compile.json"
-PAIRS = [("llmpar_zero0_compile", "llmpar_zero0"), ("llmpar_zero3_compile", "llmpar_zero3")]
+PAIRS = [(f"{eager}_compile", eager) for eager in ("llmpar_zero0", "llmpar_zero3", "llmpar_tp2", "llmpar_tp2_no_sp")]
 # What fusing cannot shorten: the GEMMs and attention kernels (called as they are from compiled code on CPU),
 # collectives, FSDP2's communication ranges and the optimizer.
 KEPT = {"gemm": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"), "attention": ("scaled_dot_product",),

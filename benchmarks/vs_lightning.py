@@ -154,19 +154,26 @@ def _below_parity(pairs: list[dict[str, Any]], profiles: dict[str, Any]) -> dict
     return out
 
 
+# Our strategies by name; "<name>_compile" is the same with compile=True (see benchmarks/compile_bench.py).
+OURS: dict[str, dict[str, Any]] = {
+    "llmpar_zero0": {"zero_stage": 0},
+    "llmpar_zero3": {"zero_stage": 3},
+    "llmpar_zero0_torch_kernels": {"zero_stage": 0, "fused_optimizer": False},
+    "llmpar_tp2": {"tensor_parallel": 2},
+    "llmpar_tp2_no_sp": {"tensor_parallel": 2, "sequence_parallel": False},  # the hand-written plan's choice
+    "llmpar_tp2_no_sp_torch_kernels": {"tensor_parallel": 2, "sequence_parallel": False, "fused_optimizer": False},
+    "llmpar_deepspeed_zero2": {"sharding_backend": "deepspeed", "zero_stage": 2},
+}
+
+
 def _strategy(name: str) -> tuple[Any, type[GPTModule]]:
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
     from lightning_llmpar import LLMParallelStrategy
 
-    if name == "llmpar_zero0":
-        return LLMParallelStrategy(zero_stage=0), GPTModule
-    if name == "llmpar_zero3":
-        return LLMParallelStrategy(zero_stage=3), GPTModule
-    if name == "llmpar_zero0_torch_kernels":
-        return LLMParallelStrategy(zero_stage=0, fused_optimizer=False), GPTModule
-    if name == "llmpar_tp2_no_sp_torch_kernels":
-        return LLMParallelStrategy(tensor_parallel=2, sequence_parallel=False, fused_optimizer=False), GPTModule
+    base = name.removesuffix("_compile")
+    if base in OURS:
+        return LLMParallelStrategy(**OURS[base], compile=name != base), GPTModule
     if name == "lightning_ddp":
         return DDPStrategy(), GPTModule
     if name == "lightning_fsdp":
@@ -175,16 +182,8 @@ def _strategy(name: str) -> tuple[Any, type[GPTModule]]:
         return FSDPStrategy(auto_wrap_policy={Block}), GPTModule
     if name == "lightning_model_parallel":
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), _ShardedGPT
-    if name.startswith("llmpar_zero") and name.endswith("_compile"):  # see benchmarks/compile_bench.py
-        return LLMParallelStrategy(zero_stage=int(name[len("llmpar_zero")]), compile=True), GPTModule
-    if name == "llmpar_tp2":
-        return LLMParallelStrategy(tensor_parallel=2), GPTModule
-    if name == "llmpar_tp2_no_sp":  # the hand-written plan's choice: no sequence parallelism
-        return LLMParallelStrategy(tensor_parallel=2, sequence_parallel=False), GPTModule
     if name == "lightning_model_parallel_tp2":
         return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), _TensorParallelGPT
-    if name == "llmpar_deepspeed_zero2":
-        return LLMParallelStrategy(sharding_backend="deepspeed", zero_stage=2), GPTModule
     if name == "lightning_deepspeed_zero2":
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
