@@ -42,10 +42,10 @@ def _assert_logged(report: dict[str, str], keys: tuple[str, ...]) -> None:
         assert key.encode() in records, f"{key} was not logged to the W&B run in {run_dir}"
 
 
-def test_cli_override_to_tensor_parallel_trains_logs_and_checkpoints(tmp_path: Path) -> None:
+def test_cli_override_to_compiled_tensor_parallel_trains_logs_and_checkpoints(tmp_path: Path) -> None:
     report = _train_from_single(
-        tmp_path, "--trainer.strategy.tensor_parallel", "2", "--trainer.max_steps", "10",
-        "--trainer.val_check_interval", "5", "--trainer.log_every_n_steps", "5",
+        tmp_path, "--trainer.strategy.tensor_parallel", "2", "--trainer.strategy.compile", "true",
+        "--trainer.max_steps", "10", "--trainer.val_check_interval", "5", "--trainer.log_every_n_steps", "5",
     )
     assert "tp=2" in report["layout"] and "world_size=2" in report["layout"]
     assert is_checkpoint(Path(report["checkpoint"])), report["checkpoint"]
