@@ -18,14 +18,14 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.dropout import _DropoutNd
 
-from lightning_llmpar.modeling.structure import find_block_stack
+from lightning_llmpar.modeling.structure import BlockStack, find_block_stack
 
 __all__ = ["apply_compile", "check_no_dropout"]
 
 _DROPOUT_NAMES = ("dropout", "pdrop")  # attributes models keep their dropout rates in
 
 
-def _find_stack(model: nn.Module) -> Any:
+def _find_stack(model: nn.Module) -> BlockStack:
     stack = find_block_stack(model)
     if stack is None:
         raise ValueError(
@@ -66,6 +66,8 @@ def check_no_dropout(model: nn.Module) -> None:
 
 
 def _own_views(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` with tensor arguments that are views (of a DTensor's local tensor, say) copied first."""
+
     def run(*args: Any, **kwargs: Any) -> Any:
         def own(a: Any) -> Any:
             return a.clone() if isinstance(a, Tensor) and a.requires_grad and a._is_view() else a
