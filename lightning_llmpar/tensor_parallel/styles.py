@@ -57,7 +57,7 @@ _REGION_INPUT = "_llmpar_region_input"
 def _region_input(tensor: Any, mesh: DeviceMesh) -> DTensor | None:
     """The DTensor behind a region's input, if ``tensor`` is that input, unchanged since."""
     if torch.compiler.is_compiling():
-        return None  # compiled blocks reduce per projection: a DTensor held on a tensor does not trace
+        return None  # compiled code can neither trace a DTensor held on a tensor nor read its version
     held = getattr(tensor, _REGION_INPUT, None)
     if held is None or held[1] != tensor._version or held[0].device_mesh != mesh:
         return None  # an in-place change since would be missing from the DTensor's autograd history
