@@ -86,8 +86,9 @@ class _Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def run_case(reader: str, inplace: bool, sequence_parallel: bool) -> dict[str, Any]:
-    """One forward/backward of ``Stack`` at tp2 on this rank against the same step in one process (computed here)."""
+def run_case(reader: str, inplace: bool, sequence_parallel: bool, compile: bool = False) -> dict[str, Any]:
+    """One forward/backward of ``Stack`` at tp2 on this rank against the same step in one process (computed here),
+    with its blocks compiled when ``compile``."""
     import torch.distributed as dist
 
     from lightning_llmpar.layout import ParallelLayout
@@ -105,7 +106,7 @@ def run_case(reader: str, inplace: bool, sequence_parallel: bool) -> dict[str, A
         reference(x).pow(2).mean().backward()
         layout = ParallelLayout(world_size=2, tp=2)
         mesh, _ = layout.build_mesh("cpu")
-        parallelize(model, layout, mesh, ParallelConfig(sequence_parallel=sequence_parallel))
+        parallelize(model, layout, mesh, ParallelConfig(sequence_parallel=sequence_parallel, compile=compile))
         counter, completing = _Collectives(), _Collectives()
         loss = model(x).pow(2).mean()
         with counter:

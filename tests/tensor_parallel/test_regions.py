@@ -49,3 +49,14 @@ def test_partial_norm_gradients_are_completed_in_one_all_reduce() -> None:
         assert r["completed"] == 4 * BLOCKS and r["left"] == [], r
         assert r["completing"] == {"c10d.allreduce_.default": 1}, r
         assert r["grad_error"] < 1e-5, r
+
+
+@pytest.mark.parametrize(("reader", "inplace", "sequence_parallel"),
+                         [("", True, False), ("copy", False, True), ("gate", False, False)])
+def test_compiled_regions_stay_exact_whatever_they_do_with_their_input(reader: str, inplace: bool,
+                                                                       sequence_parallel: bool) -> None:
+    # Compiled blocks reduce each split's input gradient on its own (they cannot check the input's version); an
+    # in-place change, a copy or a statistic of the input must come out as exact as in eager code.
+    for r in run_ranks(run_case, 2, reader=reader, inplace=inplace, sequence_parallel=sequence_parallel, compile=True,
+                       timeout=600):
+        assert r["grad_error"] < 1e-5, r
