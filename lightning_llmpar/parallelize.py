@@ -81,13 +81,16 @@ def parallelize(
     if layout.ep > 1 or config.expert_capacity_factor is not None:
         # After tensor parallelism, which split each expert along its FFN width: the expert split goes in front.
         done.expert_parallel = apply_expert_parallel(model, expert_mesh, config.expert_capacity_factor)
-    if config.compile and layout.tp > 1:
-        # Each block's forward, before checkpointing wraps it: torch cannot trace a checkpoint of DTensor code.
-        apply_compile(model, tensor_parallel=True)
+    # Blocks that break their graph (DTensor code under checkpointing, context-parallel attention, routed experts)
+    # compile their forward before checkpointing wraps them; the others are compiled whole after it, before FSDP2's
+    # hooks. See training.compile.
+    forward_only = layout.tp > 1 or layout.cp > 1 or done.expert_parallel is not None
+    if config.compile and forward_only:
+        apply_compile(model, forward_only=True, static_shapes=layout.tp > 1)
     if checkpointing is not None:
         checkpointing.apply(model, mesh)
-    if config.compile and layout.tp == 1:
-        apply_compile(model)  # after checkpointing wrapped the blocks, before FSDP2's hooks
+    if config.compile and not forward_only:
+        apply_compile(model)
     if not (layout.dp * layout.cp > 1 or config.cpu_offload or config.always_shard):
         return done
     # Context-parallel ranks compute gradients of the same parameters from different tokens: FSDP shards over them

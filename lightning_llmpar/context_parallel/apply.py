@@ -153,6 +153,7 @@ class ContextParallel:
                     kwargs["num_items_in_batch"] = 1
         return args, kwargs
 
+    @torch.compiler.disable  # compiled blocks run attention eagerly: the ring's process-group calls do not trace
     def _attention(self, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if not self.active:
             return self._sdpa(query, key, value, *args, **kwargs)

@@ -108,6 +108,7 @@ class ExpertParallel:
         names = [n for n, _ in module.named_parameters(recurse=False)]
         local_experts = num_experts // self.ep
 
+        @torch.compiler.disable  # run eagerly in compiled blocks: traced routing-dependent splits would recompile
         def forward(*args: Any, **kwargs: Any) -> Tensor:
             hidden, index, weights = list(signature.bind(*args, **kwargs).arguments.values())[:3]
             routing = route(index, weights, num_experts, self.group, self.ep, self.capacity_factor)

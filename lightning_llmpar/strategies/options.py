@@ -114,17 +114,6 @@ def _check_expert_parallel(a: dict[str, Any]) -> None:
     )
 
 
-def _check_compile(a: dict[str, Any]) -> None:
-    if not a["compile"]:
-        return
-    _refuse_clashes(
-        "compile=True", {"context_parallel": a["context_parallel"] > 1, "expert_parallel": a["expert_parallel"] > 1},
-        " yet: their hooks and collectives inside a block are not traced by torch.compile here. Use compile=True"
-        " with data parallelism (ZeRO 0-3), tensor parallelism, pipeline parallelism and activation checkpointing,"
-        " or compile=False.",
-    )
-
-
 def _check_pipeline(a: dict[str, Any]) -> PipelineConfig:
     if a["pipeline_parallel"] == 1:
         # Options of a pipeline that does not exist would be silently ignored.
@@ -187,7 +176,6 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
     _check_degrees(a)
     _check_context_parallel(a)
     _check_expert_parallel(a)
-    _check_compile(a)
     pipeline = _check_pipeline(a)
     deepspeed, compression = _check_backend(a)
     hf = str(check_hf_directory(a["hf_checkpoint"])) if a["hf_checkpoint"] is not None else None

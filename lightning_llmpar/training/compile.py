@@ -3,7 +3,9 @@ blocks share one compiled graph), after activation checkpointing has wrapped it 
 hooks (which run outside the compiled region).
 
 Under tensor parallelism the block's ``forward`` is compiled instead, with its sub-modules' DTensor hooks, and
-before checkpointing wraps it: torch cannot trace a checkpoint of DTensor code. What else does not survive
+before checkpointing wraps it: torch cannot trace a checkpoint of DTensor code. The same holds for blocks whose graph
+breaks on purpose: context-parallel attention and routed experts run eagerly between compiled parts (their
+collectives have data-dependent sizes or process-group calls that are not traced). What else does not survive
 tracing is handled here: a block input that is a view of a DTensor's local tensor (what an eager ``to_local``,
 such as the sharded embedding's, hands over), whose gradient the compiled graph would hand back to that DTensor's
 autograd node as a plain tensor; symbolic shapes; and per-rank dropout streams, which reseed torch's generator
@@ -77,15 +79,19 @@ def _own_views(call: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def apply_compile(model: nn.Module, tensor_parallel: bool = False) -> int:
-    """Compile every block of ``model``'s block stack in place; returns how many were compiled."""
+def apply_compile(model: nn.Module, forward_only: bool = False, static_shapes: bool = False) -> int:
+    """Compile every block of ``model``'s block stack in place; returns how many were compiled.
+
+    ``forward_only``: compile each block's ``forward``, to be called before checkpointing wraps the block. Blocks
+    whose code does not trace in one graph need it (tensor-parallel DTensor code, context-parallel attention,
+    routed experts): torch traces a checkpoint whole or not at all, so a checkpointed block with a graph break
+    would run eagerly. ``static_shapes``: a new shape compiles a graph of its own (DTensor code traced with
+    symbolic shapes overflows the tracer's recursion, torch 2.13)."""
     blocks = _find_stack(model).modules()
     for block in blocks:
-        if tensor_parallel:
+        if forward_only:
             # Only forward: the block's own hooks (its tensor-parallel entry and exit) run eagerly around it.
-            # A new shape compiles a graph of its own: DTensor code traced with symbolic shapes overflows the
-            # tracer's recursion (torch 2.13).
-            block.forward = _own_views(torch.compile(block.forward, dynamic=False))
+            block.forward = _own_views(torch.compile(block.forward, dynamic=False if static_shapes else None))
         else:
             block.compile()
     return len(blocks)
