@@ -69,6 +69,13 @@ def _refuse_clashes(what: str, others: dict[str, bool], why: str) -> None:
         raise ValueError(f"LLMParallelStrategy: {what} does not combine with {', '.join(clash)}{why}")
 
 
+def _zero_bubble(a: dict[str, Any]) -> bool:
+    """A pipeline runs a schedule that splits backward into input and weight gradients (names case-insensitive)."""
+    schedule = a["pipeline_schedule"]
+    zero_bubble = {name.lower() for name in ZERO_BUBBLE_SCHEDULES}
+    return a["pipeline_parallel"] > 1 and isinstance(schedule, str) and schedule.lower() in zero_bubble
+
+
 def _check_context_parallel(a: dict[str, Any]) -> None:
     positive_int("context_parallel", a["context_parallel"])
     if a["context_parallel_mode"] not in CP_MODES:
@@ -102,8 +109,7 @@ def _check_expert_parallel(a: dict[str, Any]) -> None:
         "context_parallel": a["context_parallel"] > 1,
         "sharding_backend='deepspeed'": a["sharding_backend"] == "deepspeed",
         "gradient_compression": a["gradient_compression"] is not None,
-        f"pipeline_schedule={a['pipeline_schedule']!r}": a["pipeline_parallel"] > 1 and a["pipeline_schedule"] in
-        ZERO_BUBBLE_SCHEDULES,
+        f"pipeline_schedule={a['pipeline_schedule']!r}": _zero_bubble(a),
     }
     _refuse_clashes(
         f"expert_parallel={a['expert_parallel']}", others,
@@ -111,6 +117,19 @@ def _check_expert_parallel(a: dict[str, Any]) -> None:
         " DeepSpeed engine, the compression hooks and the zero-bubble schedules (split weight gradients) do not handle."
         " Use expert_parallel with tensor_parallel, data_parallel (ZeRO 0-3) and the pipeline schedules GPipe, 1F1B,"
         " Interleaved1F1B or LoopedBFS.",
+    )
+
+
+def _check_compile(a: dict[str, Any]) -> None:
+    if not (a["compile"] and _zero_bubble(a)):
+        return
+    # Measured: with donated buffers off (so the split backward runs at all), ZBVZeroBubble's losses drift from one
+    # process after the first step; torch's own schedules refuse compiled stage modules.
+    raise ValueError(
+        f"LLMParallelStrategy: compile=True does not combine with pipeline_schedule={a['pipeline_schedule']!r}: the"
+        " zero-bubble schedules run each stage's backward in two passes (input gradients, then weight gradients),"
+        " which a compiled block's single backward does not support. Use pipeline_schedule='Interleaved1F1B' (the"
+        " default), '1F1B', 'GPipe' or 'LoopedBFS' with compile=True, or compile=False."
     )
 
 
@@ -176,6 +195,7 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
     _check_degrees(a)
     _check_context_parallel(a)
     _check_expert_parallel(a)
+    _check_compile(a)
     pipeline = _check_pipeline(a)
     deepspeed, compression = _check_backend(a)
     hf = str(check_hf_directory(a["hf_checkpoint"])) if a["hf_checkpoint"] is not None else None

@@ -161,6 +161,8 @@ def test_bad_combinations_are_refused_at_construction() -> None:
         LLMParallelStrategy(expert_parallel=2, context_parallel=2)
     with pytest.raises(ValueError, match="pipeline_schedule='ZBVZeroBubble'"):
         LLMParallelStrategy(expert_parallel=2, pipeline_parallel=2, pipeline_schedule="ZBVZeroBubble")
+    with pytest.raises(ValueError, match="pipeline_schedule='dualpipev'"):  # schedule names are case-insensitive
+        LLMParallelStrategy(expert_parallel=2, pipeline_parallel=2, pipeline_schedule="dualpipev")
     with pytest.raises(ValueError, match="expert_capacity_factor"):
         LLMParallelStrategy(expert_capacity_factor=0)
     with pytest.raises(ValueError, match="positive integer"):
