@@ -1,6 +1,6 @@
 """compile=True measured: the example GPT (6 blocks, d=384, 128 tokens, 4 samples per rank) on two gloo ranks, eager
-vs every block compiled (inductor on CPU), at dp2 ZeRO-0 and ZeRO-3 and at tp2 with and without sequence
-parallelism, in interleaved rounds inside one launch.
+vs every block compiled (inductor on CPU), at dp2 ZeRO-0 and ZeRO-3, at tp2 with and without sequence
+parallelism and at cp2 (ring attention, eager between the compiled parts), in interleaved rounds inside one launch.
 The compile time falls in the warm-up steps; the median seconds per measured step are compared.
 
 ``--profile`` adds where rank 0's time goes per step (torch.profiler self CPU time by kind of op) and the ceiling
@@ -8,7 +8,8 @@ of any speedup that fusing can give: the eager step with every op other than GEM
 optimizer kernel removed at no cost.
 
 Run from the repository root:  python -m benchmarks.compile_bench [--rounds 3] [--steps 12] [--warmup 4] [--profile]
-Writes benchmarks/results/compile.json.
+Writes benchmarks/results/compile.json (``--only llmpar_cp2,...``: those eager layouts and their compiled twins,
+written to ``--out``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from benchmarks.vs_lightning import BATCH, MODEL, _profiles, _rounds
 from tests.distributed import run_ranks
 
 OUT = Path(__file__).parent / "results" / "compile.json"
-PAIRS = [(f"{eager}_compile", eager) for eager in ("llmpar_zero0", "llmpar_zero3", "llmpar_tp2", "llmpar_tp2_no_sp")]
+EAGER = ("llmpar_zero0", "llmpar_zero3", "llmpar_tp2", "llmpar_tp2_no_sp", "llmpar_cp2")
+PAIRS = [(f"{eager}_compile", eager) for eager in EAGER]
 # What fusing cannot shorten: the GEMMs and attention kernels (called as they are from compiled code on CPU),
 # collectives, FSDP2's communication ranges and the optimizer.
 KEPT = {"gemm": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"), "attention": ("scaled_dot_product",),
@@ -54,11 +56,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--profile", action="store_true", help="also record where the time goes and the ceiling")
+    parser.add_argument("--only", default="", help="comma-separated eager layouts to run (default: all)")
+    parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
-    names = sorted({n for pair in PAIRS for n in pair})
+    pairs = [p for p in PAIRS if not args.only or p[1] in args.only.split(",")]
+    names = sorted({n for pair in pairs for n in pair})
     runs = run_ranks(_rounds, 2, names, args.rounds, args.steps, args.warmup, timeout=3000)[0]
     seconds = {n: statistics.median(v) if isinstance(v, list) and v else v for n, v in runs.items()}
-    speedups = {compiled: seconds[eager] / seconds[compiled] for compiled, eager in PAIRS
+    speedups = {compiled: seconds[eager] / seconds[compiled] for compiled, eager in pairs
                 if isinstance(seconds[compiled], float) and isinstance(seconds[eager], float)}
     result = {
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
@@ -73,10 +78,10 @@ def main() -> None:
         # Generous: profiled ms are inflated by the profiler's per-op cost, which eager (more, smaller ops) pays more.
         result["ceiling_if_fusing_removed_every_other_op"] = {
             eager: seconds[eager] / (seconds[eager] - (kinds[eager].get("other_aten", 0.0)) / 1e3)
-            for _, eager in PAIRS if isinstance(kinds.get(eager), dict) and isinstance(seconds[eager], float)
+            for _, eager in pairs if isinstance(kinds.get(eager), dict) and isinstance(seconds[eager], float)
         }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result.get(k) for k in ("seconds_per_step_median", "speedup_compiled_over_eager",
                                                   "profile_rank0_ms_per_step_by_kind",
                                                   "ceiling_if_fusing_removed_every_other_op")}, indent=1))

@@ -163,6 +163,7 @@ OURS: dict[str, dict[str, Any]] = {
     "llmpar_tp2_no_sp": {"tensor_parallel": 2, "sequence_parallel": False},  # the hand-written plan's choice
     "llmpar_tp2_no_sp_torch_kernels": {"tensor_parallel": 2, "sequence_parallel": False, "fused_optimizer": False},
     "llmpar_deepspeed_zero2": {"sharding_backend": "deepspeed", "zero_stage": 2},
+    "llmpar_cp2": {"context_parallel": 2},  # for compile_bench; Lightning has no context-parallel strategy
 }
 
 
