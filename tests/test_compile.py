@@ -27,6 +27,7 @@ TWO_RANKS = [
     ("llama", {"compile": True, "zero_stage": 3}, 4, {"tag": "zero3"}),
     ("llama", {"compile": True, "zero_stage": 2}, 4, {"tag": "zero2_checkpointing", "checkpointing": "full"}),
     ("llama", {"compile": True, "pipeline_parallel": 2}, 8, {"tag": "pp2"}),
+    ("litgpt_llama", {"compile": True, "pipeline_parallel": 2}, 8, {"tag": "pp2"}),  # LitGPT: rope tables as inputs
     ("llama", TP, 8, {"tag": "tp2"}),
     ("llama", NO_SP, 8, {"tag": "tp2_no_sp"}),
     ("gpt2", NO_SP, 8, {"tag": "tp2_no_sp"}),  # Conv1D, fused qkv
