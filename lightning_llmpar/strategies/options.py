@@ -69,13 +69,6 @@ def _refuse_clashes(what: str, others: dict[str, bool], why: str) -> None:
         raise ValueError(f"LLMParallelStrategy: {what} does not combine with {', '.join(clash)}{why}")
 
 
-def _zero_bubble(a: dict[str, Any]) -> bool:
-    """A pipeline runs a schedule that splits backward into input and weight gradients (names case-insensitive)."""
-    schedule = a["pipeline_schedule"]
-    zero_bubble = {name.lower() for name in ZERO_BUBBLE_SCHEDULES}
-    return a["pipeline_parallel"] > 1 and isinstance(schedule, str) and schedule.lower() in zero_bubble
-
-
 def _check_context_parallel(a: dict[str, Any]) -> None:
     positive_int("context_parallel", a["context_parallel"])
     if a["context_parallel_mode"] not in CP_MODES:
@@ -95,7 +88,7 @@ def _check_context_parallel(a: dict[str, Any]) -> None:
     )
 
 
-def _check_expert_parallel(a: dict[str, Any]) -> None:
+def _check_expert_parallel(a: dict[str, Any], zero_bubble: bool) -> None:
     positive_int("expert_parallel", a["expert_parallel"])
     factor = a["expert_capacity_factor"]
     if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0):
@@ -109,7 +102,7 @@ def _check_expert_parallel(a: dict[str, Any]) -> None:
         "context_parallel": a["context_parallel"] > 1,
         "sharding_backend='deepspeed'": a["sharding_backend"] == "deepspeed",
         "gradient_compression": a["gradient_compression"] is not None,
-        f"pipeline_schedule={a['pipeline_schedule']!r}": _zero_bubble(a),
+        f"pipeline_schedule={a['pipeline_schedule']!r}": zero_bubble,
     }
     _refuse_clashes(
         f"expert_parallel={a['expert_parallel']}", others,
@@ -120,8 +113,8 @@ def _check_expert_parallel(a: dict[str, Any]) -> None:
     )
 
 
-def _check_compile(a: dict[str, Any]) -> None:
-    if not (a["compile"] and _zero_bubble(a)):
+def _check_compile(a: dict[str, Any], zero_bubble: bool) -> None:
+    if not (a["compile"] and zero_bubble):
         return
     # Measured: with donated buffers off (so the split backward runs at all), ZBVZeroBubble's losses drift from one
     # process after the first step; torch's own schedules refuse compiled stage modules.
@@ -194,9 +187,11 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
     """Check the strategy's keyword arguments ``a`` (names as in ``LLMParallelStrategy.__init__``)."""
     _check_degrees(a)
     _check_context_parallel(a)
-    _check_expert_parallel(a)
-    _check_compile(a)
     pipeline = _check_pipeline(a)
+    # The schedule's canonical name (names are case-insensitive): these split backward into input and weight passes.
+    zero_bubble = pipeline.degree > 1 and pipeline.schedule in ZERO_BUBBLE_SCHEDULES
+    _check_expert_parallel(a, zero_bubble)
+    _check_compile(a, zero_bubble)
     deepspeed, compression = _check_backend(a)
     hf = str(check_hf_directory(a["hf_checkpoint"])) if a["hf_checkpoint"] is not None else None
     litgpt = str(check_litgpt_directory(a["litgpt_checkpoint"])) if a["litgpt_checkpoint"] is not None else None
