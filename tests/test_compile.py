@@ -41,6 +41,10 @@ TWO_RANKS = [
     ("qwen3", {**CP, "context_parallel_mode": "ulysses"}, 8, {"tag": "cp2_ulysses"}),
     ("mixtral", EP, 4, {"tag": "ep2"}),
     ("gpt_moe", EP, 4, {"tag": "ep2_checkpointing", "checkpointing": "full"}),
+    # How users fine-tune: frozen attention on an untied model, LoRA adapters, right-padded dict batches.
+    ("llama_untied", TP, 8, {"tag": "tp2_frozen_attention", "frozen": "attention"}),
+    ("qwen3_moe", EP, 4, {"tag": "ep2_lora", "frozen": "lora"}),
+    ("qwen3", TP, 8, {"tag": "tp2_padded", "padded": True}),
 ]
 FOUR_RANKS = [
     ("mixtral", {**TP, **EP}, 4, {"tag": "ep2_tp2"}),
@@ -51,23 +55,33 @@ FOUR_RANKS = [
 CASES = TWO_RANKS + FOUR_RANKS
 
 
+def _data(options: dict[str, Any]) -> dict[str, Any]:
+    """The options that change what one process trains (checkpointing and precision strings do not)."""
+    return {k: v for k, v in options.items() if k in ("frozen", "padded")}
+
+
+def _ref_key(name: str, options: dict[str, Any]) -> str:
+    return name + "".join(f"_{k}={v}" for k, v in sorted(_data(options).items()))
+
+
 @cache
 def results() -> tuple[dict[str, Any], dict[tuple[str, str], list[Any]]]:
-    names = sorted({c[0] for c in CASES})
-    refs = run_ranks(fit_cases, 1, [(n, None, 8, {"steps": 8, "tag": "ref"}) for n in names])[0]
+    wanted = {_ref_key(n, o): (n, None, 8, {**_data(o), "steps": 8, "tag": _ref_key(n, o)}) for n, _, _, o in CASES}
+    refs = run_ranks(fit_cases, 1, list(wanted.values()))[0]
     runs: dict[tuple[str, str], list[Any]] = {}
     for world, cases in ((2, TWO_RANKS), (4, FOUR_RANKS)):
         outs = run_ranks(fit_cases, world, [(n, k, b, {**o, "steps": 8}) for n, k, b, o in cases], timeout=1200)
         for name, _, _, options in cases:
             runs[(name, options["tag"])] = [o[(name, options["tag"])] for o in outs]
-    return {n: refs[(n, "ref")] for n in names}, runs
+    return {key: refs[(case[0], key)] for key, case in wanted.items()}, runs
 
 
 @pytest.mark.parametrize("name,tag", [(c[0], c[3]["tag"]) for c in CASES if "precision" not in c[3]])
 def test_compiled_blocks_train_like_one_eager_process(name: str, tag: str) -> None:
     refs, runs = results()
     outs = runs[(name, tag)]
-    assert_exact(refs[name], outs, sharded="tp2" in tag)
+    options = next(c[3] for c in CASES if c[0] == name and c[3]["tag"] == tag)
+    assert_exact(refs[_ref_key(name, options)], outs, sharded="tp2" in tag)
     # A frame that graph-breaks inside a checkpoint runs it eagerly: the blocks' matmuls must be in generated code.
     assert all(r["compiled_extern_calls"] > 0 for r in outs), [r["compiled_frames"] for r in outs]
 
