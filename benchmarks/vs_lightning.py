@@ -113,11 +113,10 @@ class _StepTimes(Callback):
 
 # Why a pair stays below 1.0x on this machine; each with the profile figure that measures it (``_below_parity``).
 WHY = {
-    "llmpar_zero0": "FSDP2, which lets ZeRO-0 take tensor-parallel DTensors, reduces each unit's gradients with a"
-                    " blocking dist.all_reduce inside FSDP::post_backward_reduce (torch's foreach_reduce; on GPUs it runs"
-                    " on a side stream). On gloo the backward thread waits for it, so the reduction does not overlap the"
-                    " rest of backward as DDP's asynchronous bucketed all-reduce does: fsdp_reduce_blocking_ms_per_step. An"
-                    " overlapped all-reduce hook measured no faster on 2 cores (benchmarks/README.md).",
+    "llmpar_zero0": "pure data parallelism at ZeRO-0 in fp32 runs on DDP (torch's composable replicate), the reducer"
+                    " DDPStrategy runs, with find_unused_parameters=True: one more small all-reduce per step (the"
+                    " unused-parameter map; collective_calls_per_step). Beyond that the two differ by the spread of"
+                    " rounds on this machine (rounds_seconds) and by the optimizer kernel (optimizer_ms_per_step).",
     "llmpar_tp2": "sequence parallelism (the default) turns each block's all-reduces into all-gathers and reduce-scatters"
                   " around the norms: more collectives (collective_calls_per_step), latency-bound on gloo with 2 cores."
                   " It exists to cut activation memory by the tensor-parallel degree; llmpar_tp2_no_sp is the like-for-like"

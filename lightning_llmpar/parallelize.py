@@ -13,6 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from lightning_llmpar.activation_checkpointing.policy import ActivationCheckpointing
 from lightning_llmpar.data_parallel.compression.methods import CompressionConfig
 from lightning_llmpar.data_parallel.fsdp import apply_data_parallel
+from lightning_llmpar.data_parallel.replicate import apply_replicate, replicates
 from lightning_llmpar.expert_parallel import ExpertParallel, apply_expert_parallel
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.modeling.structure import find_block_stack
@@ -34,6 +35,9 @@ class ParallelConfig:
     # Apply FSDP2 even with one data-parallel rank: its policy is what casts fp32 master weights to the
     # compute dtype (BF16 true).
     always_shard: bool = False
+    # The precision plugin computes in fp32/fp64 with no parameter casting and no FP8 weights: nothing it needs
+    # from FSDP2, so pure data parallelism can run on DDP (see data_parallel.replicate).
+    plain_precision: bool = True
     # Compresses the data-parallel gradient sync (see lightning_llmpar.data_parallel.compression.hooks).
     gradient_compression: CompressionConfig | None = None
     # Cut each expert at this multiple of its even share of a rank's tokens (see expert_parallel.dispatch).
@@ -44,10 +48,11 @@ class ParallelConfig:
 
 @dataclass
 class Parallelized:
-    """What parallelization left behind that later steps need: the FSDP roots (gradient sync, compression)
-    and the fused parameters split per piece (checkpoints translate them back, see tensor_parallel.packing)."""
+    """What parallelization left behind that later steps need: the data-parallel roots, FSDP2's or DDP's (gradient
+    sync, compression), and the fused parameters split per piece (checkpoints translate them back, see
+    tensor_parallel.packing)."""
 
-    fsdp_roots: list[nn.Module] = field(default_factory=list)
+    dp_roots: list[nn.Module] = field(default_factory=list)
     packings: dict[str, Packing] = field(default_factory=dict)
     expert_parallel: ExpertParallel | None = None
 
@@ -93,6 +98,11 @@ def parallelize(
         apply_compile(model)
     if not (layout.dp * layout.cp > 1 or config.cpu_offload or config.always_shard):
         return done
+    if replicates(layout, plain_precision=config.plain_precision and not config.always_shard,
+                  compression=config.gradient_compression is not None, cpu_offload=config.cpu_offload):
+        apply_replicate(model, mesh["dp_replicate"].get_group())
+        done.dp_roots = [model]
+        return done
     # Context-parallel ranks compute gradients of the same parameters from different tokens: FSDP shards over them
     # as over dp_shard (as torchtitan does), so with context parallelism parameters are sharded even at ZeRO-0.
     dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if layout.cp > 1 else mesh["dp_replicate", "dp_shard"]
@@ -110,8 +120,8 @@ def parallelize(
         # schedules give wrong gradients, one unit per stage is exact under every schedule.
         for root in stage_roots:
             apply_data_parallel(root, dp_mesh, blocks=None, **kwargs)
-        done.fsdp_roots = list(stage_roots)
+        done.dp_roots = list(stage_roots)
         return done
     apply_data_parallel(model, dp_mesh, blocks=find_block_stack(model), **kwargs)
-    done.fsdp_roots = [model]
+    done.dp_roots = [model]
     return done

@@ -299,13 +299,18 @@ def fit_case(
             value = full(p).cpu()
             params[aliases.get(pname, pname)] = to_canonical(value, packings[pname]) if pname in packings else value
     from torch._dynamo.utils import counters
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_llmpar.data_parallel.replicate import DDP
+
+    wrapper = "ddp" if isinstance(module, DDP) else "fsdp2" if any(isinstance(m, FSDPModule) for m in module.modules()) else None
 
     # Matmuls and attention that inductor's generated code calls: none when compiled frames ran the blocks eagerly.
     compiled_extern_calls = counters["inductor"]["extern_calls"]
     return {"compiled_frames": counters["frames"]["ok"], "compiled_extern_calls": compiled_extern_calls,
             "losses": record.losses, "grads": record.grads, "held": held / total, "param_dtype": str(dtype),
             "plugin": type(trainer.precision_plugin).__name__, "params": params, "metrics": record.metrics,
-            "kernels": kernels(trainer)}
+            "kernels": kernels(trainer), "data_parallel": wrapper}
 
 
 def _checkpointing(mode: str | None) -> list[Callback]:

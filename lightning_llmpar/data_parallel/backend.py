@@ -167,7 +167,7 @@ class FSDP2Backend(ShardingBackend):
         self.parallelized = parallelize(module, s.layout, s.device_mesh, s.parallel_config, stage_roots, checkpointing)
         compression = s.parallel_config.gradient_compression
         if compression is not None:
-            self.compression = apply_gradient_compression(self.parallelized.fsdp_roots, s.device_mesh, s.layout, compression)
+            self.compression = apply_gradient_compression(self.parallelized.dp_roots, s.device_mesh, s.layout, compression)
         module._llmpar_parallelized = (s.layout, self.runner, self.parallelized, self.compression)
         # Weights built on the meta device get memory now, for this rank's shards only (ties as they stand
         # after sharding: to_empty gives every name its own memory).
@@ -207,8 +207,10 @@ class FSDP2Backend(ShardingBackend):
         if hasattr(precision, "convert_before_parallelism"):
             precision.convert_before_parallelism(module)
         policy = precision.mp_policy() if hasattr(precision, "mp_policy") else None
+        plain = policy is None and getattr(precision, "compute_dtype", torch.float32) in (torch.float32, torch.float64)
         s.parallel_config = dataclasses.replace(
-            s.parallel_config, mp_policy=policy, always_shard=bool(getattr(precision, "needs_sharding_wrapper", False))
+            s.parallel_config, mp_policy=policy, always_shard=bool(getattr(precision, "needs_sharding_wrapper", False)),
+            plain_precision=plain,
         )
 
     def _install_global_clipping(self) -> None:

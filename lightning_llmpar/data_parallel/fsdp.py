@@ -2,7 +2,8 @@
 
 Stage -> FSDP2 setting:
 - 0: parameters replicated, gradients all-reduced. FSDP2 on a (replicate=dp, shard=1) mesh, which is
-  DDP's arithmetic and, unlike DDP, accepts the DTensor parameters tensor parallelism produces.
+  DDP's arithmetic and, unlike DDP, accepts the DTensor parameters tensor parallelism produces. (Pure data
+  parallelism in full precision runs on DDP itself: data_parallel.replicate.)
 - 1, 2: optimizer state and gradients sharded, parameters gathered once per step and kept through
   backward (``reshard_after_forward=False``). FSDP2 always reduce-scatters gradients into shards:
   that costs the same bytes as an all-reduce, so stage 1 runs as stage 2.
@@ -20,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from lightning_llmpar.data_parallel.replicate import DDP
 from lightning_llmpar.modeling.structure import BlockStack, has_forward
 
 __all__ = ["apply_data_parallel", "no_gradient_sync", "shard_units"]
@@ -90,18 +92,20 @@ def shard_units(module: nn.Module) -> list[nn.Module]:
     return [unit for child in module.children() for unit in shard_units(child)]
 
 
-def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
 @contextmanager
 def no_gradient_sync(roots: list[nn.Module]) -> Iterator[None]:
-    """Accumulate gradients locally (no reduce-scatter/all-reduce) for the non-final micro-batches."""
-    modules = [m for root in roots for m in _fsdp_modules(root)]
-    for module in modules:
-        module.set_requires_gradient_sync(False, recurse=False)
+    """Accumulate gradients locally (no reduce-scatter/all-reduce) for the non-final micro-batches; ``roots`` are
+    FSDP2's (every unit under them) or DDP's (see data_parallel.replicate)."""
+    units = [m for root in roots for m in root.modules() if isinstance(m, FSDPModule)]
+    replicas = [root for root in roots if isinstance(root, DDP)]
+    for unit in units:
+        unit.set_requires_gradient_sync(False, recurse=False)
+    for replica in replicas:
+        replica.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        for module in modules:
-            module.set_requires_gradient_sync(True, recurse=False)
+        for unit in units:
+            unit.set_requires_gradient_sync(True, recurse=False)
+        for replica in replicas:
+            replica.set_requires_gradient_sync(True)

@@ -43,6 +43,10 @@ class Candidate:
     def fsdp(self) -> bool:
         return self.dp * self.cp > 1
 
+    def replicates(self, precision: str) -> bool:
+        """Pure data parallelism in full precision runs on DDP, with no gathered copy (see data_parallel.replicate)."""
+        return self.zero == 0 and self.dp > 1 and self.tp * self.pp * self.cp * self.ep == 1 and precision == "32-true"
+
     @property
     def global_batch(self) -> int:
         return self.dp * self.micro_batch * self.microbatches

@@ -94,18 +94,21 @@ def predict_memory(
 
 def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: int) -> MemoryEstimate:
     local, unit = _local_params(spec, c, rank)
-    sharded = local / c.shard if c.fsdp else local
+    ddp = c.replicates(p.name)
+    fsdp = c.fsdp and not ddp
+    sharded = local / c.shard if fsdp else local
     master = sharded * FP32
     gathered = 0.0
-    if c.fsdp:  # FSDP2 computes with a gathered copy, also on a size-1 shard
+    if fsdp:  # FSDP2 computes with a gathered copy, also on a size-1 shard
         gathered = (2 * unit if c.zero == 3 else local) * p.param_bytes
     grads = sharded * FP32
-    reduce_buffer = unit * FP32 if c.fsdp else 0.0  # one unit's unsharded gradient before its reduction
+    reduce_buffer = unit * FP32 if fsdp else 0.0  # one unit's unsharded gradient before its reduction
     optimizer = sharded * ADAM_STATE_BYTES
     # Lightning zeroes gradients after the training step's forward, so last step's are held through it; in backward
-    # only those of earlier microbatches (pipeline, accumulation) are.
-    grads_in_backward = grads if (c.pp > 1 or c.microbatches > 1) else 0.0
-    if c.fsdp and c.zero and c.pp == 1 and c.microbatches > 1:
+    # only those of earlier microbatches (pipeline, accumulation) are. DDP's buckets, which the gradients are views
+    # of, are held throughout.
+    grads_in_backward = grads if (c.pp > 1 or c.microbatches > 1 or ddp) else 0.0
+    if fsdp and c.zero and c.pp == 1 and c.microbatches > 1:
         grads_in_backward = local * FP32  # FSDP2 accumulates unsynced gradients unsharded
 
     tokens = c.micro_batch * seq / c.cp

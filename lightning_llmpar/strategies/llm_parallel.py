@@ -344,7 +344,7 @@ class LLMParallelStrategy(MeshStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         deferring = self._runner.deferring_reduction() if self._runner else nullcontext()
-        with no_gradient_sync(self._backend.parallelized.fsdp_roots), deferring:
+        with no_gradient_sync(self._backend.parallelized.dp_roots), deferring:
             yield None
 
     # ----------------------------------------------------------------- checkpoints

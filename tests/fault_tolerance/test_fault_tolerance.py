@@ -160,11 +160,11 @@ def _guard_run(inject: str) -> dict[str, Any]:
         return loss
 
     class Diverge(Callback):
-        # After an update, when parameters are the sharded/replicated DTensors again.
+        # After an update; pure data parallelism runs on DDP, whose parameters are plain tensors.
         def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
             if inject == "diverge" and trainer.global_step == 3 and rank == 0:
                 with torch.no_grad():
-                    next(module.parameters()).to_local().add_(1e-2)
+                    next(module.parameters()).add_(1e-2)
 
     module.training_step = training_step  # type: ignore[method-assign]
     trainer = Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(zero_stage=0), max_steps=6,
