@@ -92,11 +92,15 @@ class LitGPTModule(ShiftedLM):
 class HFCausalLM(LightningModule):
     """How a user fine-tunes a transformers causal LM with Lightning, for one device."""
 
-    def __init__(self, name: str, lr: float = 0.5, sgd: bool = True, frozen: str | None = None, dropout: float = 0.0) -> None:
+    def __init__(self, name: str, lr: float = 0.5, sgd: bool = True, frozen: str | None = None, dropout: float = 0.0,
+                 manual_clip: float | None = None) -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM
 
         self.lr, self.sgd = lr, sgd
+        # manual_clip: manual optimization (zero_grad, manual_backward, clip_gradients by norm, step in the step).
+        self.manual_clip = manual_clip
+        self.automatic_optimization = manual_clip is None
         self.model = AutoModelForCausalLM.from_config(make_config(name, dropout))
         if frozen == "head_only":  # fine-tune the LM head only: the first pipeline stage has no gradient at all
             for pname, p in self.model.named_parameters():
@@ -112,8 +116,15 @@ class HFCausalLM(LightningModule):
                                                                init_lora_weights="gaussian"))
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.manual_clip is not None:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
         loss = self.model(**batch).loss
         self.log("train_loss", loss)
+        if self.manual_clip is not None:
+            self.manual_backward(loss)
+            self.clip_gradients(optimizer, gradient_clip_val=self.manual_clip, gradient_clip_algorithm="norm")
+            optimizer.step()
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -233,12 +244,14 @@ def fit_case(
     precision: Any = None,
     samples: int = SAMPLES,
     checkpointing: str | None = None,
+    manual: bool = False,
 ) -> dict[str, Any]:
     """Train zoo model ``name`` for ``steps``; ``strategy_kwargs=None`` is the one-process reference.
 
     ``pretrained``: a transformers directory, loaded by ``from_pretrained`` in the reference and through the
     strategy's ``hf_checkpoint`` otherwise (built on the meta device with ``meta``); ``save_hf``: export the
-    trained model there; ``save_to`` / ``ckpt_path``: write / resume a Lightning checkpoint.
+    trained model there; ``save_to`` / ``ckpt_path``: write / resume a Lightning checkpoint; ``manual`` (with
+    ``clip``): Hugging Face models optimize by hand in their step, clipping the gradient norm to ``clip``.
     """
     import os
 
@@ -264,13 +277,14 @@ def fit_case(
         strategy="auto" if strategy_kwargs is None else LLMParallelStrategy(**kwargs),
         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, callbacks=[record, *_checkpointing(checkpointing)],
-        gradient_clip_val=clip, accumulate_grad_batches=accumulate, plugins=plugins, precision=precision_flag,
+        gradient_clip_val=None if manual else clip, accumulate_grad_batches=accumulate, plugins=plugins, precision=precision_flag,
     )
     with trainer.init_module(empty_init=meta) if strategy_kwargs is not None else nullcontext():
         from tests.custom_models import CUSTOM
 
         cls = LitGPTModule if name in LITGPT else CUSTOM.get(name, HFCausalLM)
-        module = cls(name, sgd=sgd, frozen=frozen, dropout=dropout)
+        extra = {"manual_clip": clip} if manual else {}  # the step clips by itself (Lightning refuses gradient_clip_val)
+        module = cls(name, sgd=sgd, frozen=frozen, dropout=dropout, **extra)
     total = sum(p.numel() for p in module.parameters())
     if pretrained is not None and strategy_kwargs is None:
         from transformers import AutoModelForCausalLM

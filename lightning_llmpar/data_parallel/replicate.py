@@ -13,13 +13,19 @@ weights FSDP2 carries.
 
 from __future__ import annotations
 
+from typing import Any
+
+import lightning.pytorch as pl
 import torch.distributed as dist
-from torch import nn
+from lightning.pytorch.overrides.distributed import prepare_for_backward
+from lightning.pytorch.strategies.strategy import _ForwardRedirection
+from torch import Tensor, nn
 from torch.distributed._composable.replicate import DDP, replicate
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_llmpar.layout import ParallelLayout
 
-__all__ = ["DDP", "apply_replicate", "replicates"]
+__all__ = ["DDP", "ManualBackwardRedirection", "apply_replicate", "prepare_manual_backward", "replicates"]
 
 BUCKET_MB = 25  # DDP's default, as for the FSDP2 units at ZeRO 0-2 (data_parallel.fsdp.BUCKET_BYTES)
 
@@ -38,3 +44,31 @@ def apply_replicate(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
     # broadcast_buffers=False: buffers are built identically on every rank, as under FSDP2, which never syncs them.
     return replicate(model, process_group=group, bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=True,
                      broadcast_buffers=False, find_unused_parameters=True)
+
+
+def _reducer_owner(module: nn.Module | None) -> DistributedDataParallel | None:
+    """The DistributedDataParallel behind ``replicate`` (it exists from the first forward on)."""
+    return getattr(replicate.state(module), "_ddp", None) if isinstance(module, DDP) else None
+
+
+# Manual optimization runs backward inside the training step, so inside DDP's forward, before DDP would prepare its
+# reducer for it (after the forward). As Lightning's DDPStrategy does: the reducer is prepared before that backward
+# from its loss, and DDP's own preparation after the forward is skipped.
+
+
+def prepare_manual_backward(module: nn.Module | None, loss: Tensor) -> None:
+    ddp = _reducer_owner(module)
+    if ddp is not None:
+        prepare_for_backward(ddp, loss)
+
+
+class ManualBackwardRedirection(_ForwardRedirection):
+    """Lightning's redirection of step methods through the root's forward, plus the skip above."""
+
+    def on_after_inner_forward(self, wrapper_module: nn.Module, original_module: pl.LightningModule) -> None:
+        ddp = _reducer_owner(wrapper_module)
+        if ddp is not None and not original_module.automatic_optimization:
+            ddp.require_backward_grad_sync = False  # set again by the next forward's pre-hook
+
+    def on_after_outer_forward(self, wrapper_module: nn.Module, original_module: Any) -> None:
+        return None

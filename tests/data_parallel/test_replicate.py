@@ -30,6 +30,9 @@ DDP_CASES = [
     ("llama", {}, {"tag": "lora_clip", "frozen": "lora", "clip": 1.0}),
     ("llama", {}, {"tag": "selective", "checkpointing": "selective"}),
     ("llama", {"loss_normalization": "tokens"}, {"tag": "padded_tokens", "padded": True}),
+    # Manual optimization: backward, clipping and the step inside the training step, so inside DDP's forward.
+    ("llama", {}, {"tag": "manual_clip", "manual": True, "clip": 1.0}),
+    ("gpt2", {}, {"tag": "manual_tied", "manual": True, "clip": 1.0}),
     # Compiled blocks inside DDP's forward (inductor compiles C++ on CPU).
     *([("llama", {"compile": True}, {"tag": "compiled", "checkpointing": "full"})] if shutil.which("g++") else []),
 ]
@@ -38,11 +41,17 @@ FSDP2_CASES = [
     ("llama", {"zero_stage": 1}, {"tag": "zero1"}),
     ("llama", {"gradient_compression": "fp16"}, {"tag": "compressed"}),
 ]
+# Manual optimization on the FSDP2 paths, against one process too.
+FSDP2_MANUAL = [
+    ("llama", {"zero_stage": 3}, {"tag": "manual_zero3", "manual": True, "clip": 1.0}),
+    ("qwen3", {"tensor_parallel": 2}, {"tag": "manual_tp2", "manual": True, "clip": 1.0, "batch": 8}),
+    ("mixtral", {"expert_parallel": 2}, {"tag": "manual_ep2", "manual": True, "clip": 1.0}),
+]
 
 
 def _data(options: dict[str, Any]) -> dict[str, Any]:
     """The options that change what one process trains."""
-    return {k: v for k, v in options.items() if k in ("frozen", "padded", "clip")}
+    return {k: v for k, v in options.items() if k in ("frozen", "padded", "clip", "manual")}
 
 
 def _ref_key(name: str, options: dict[str, Any]) -> str:
@@ -51,12 +60,13 @@ def _ref_key(name: str, options: dict[str, Any]) -> str:
 
 @cache
 def results() -> tuple[dict[str, Any], dict[str, list[Any]]]:
-    wanted = {_ref_key(n, o): (n, _data(o)) for n, _, o in DDP_CASES}
+    exact = DDP_CASES + FSDP2_MANUAL
+    wanted = {_ref_key(n, o): (n, _data(o)) for n, _, o in exact}
     refs = run_ranks(fit_cases, 1, [(n, None, 8, {**d, "tag": key}) for key, (n, d) in wanted.items()])[0]
-    cases = [(n, k, o.get("batch", 4), {kk: v for kk, v in o.items() if kk != "batch"}) for n, k, o in DDP_CASES + FSDP2_CASES]
+    cases = [(n, k, o.get("batch", 4), {kk: v for kk, v in o.items() if kk != "batch"}) for n, k, o in exact + FSDP2_CASES]
     outs = run_ranks(fit_cases, 2, cases, timeout=900)
-    ref_of = {o["tag"]: refs[(n, _ref_key(n, o))] for n, _, o in DDP_CASES}
-    return ref_of, {o["tag"]: [r[(n, o["tag"])] for r in outs] for n, _, o in DDP_CASES + FSDP2_CASES}
+    ref_of = {o["tag"]: refs[(n, _ref_key(n, o))] for n, _, o in exact}
+    return ref_of, {o["tag"]: [r[(n, o["tag"])] for r in outs] for n, _, o in exact + FSDP2_CASES}
 
 
 @pytest.mark.parametrize("tag", [o["tag"] for _, _, o in DDP_CASES])
@@ -72,6 +82,13 @@ def test_pure_data_parallelism_runs_on_ddp_like_one_process(tag: str) -> None:
         _same_training(refs[tag], outs)
     else:
         assert_exact(refs[tag], outs, sharded=False)
+
+
+@pytest.mark.parametrize("tag", [o["tag"] for _, _, o in FSDP2_MANUAL])
+def test_manual_optimization_on_fsdp2_layouts_matches_one_process(tag: str) -> None:
+    refs, runs = results()
+    assert all(o.get("data_parallel") == "fsdp2" or "tp2" in tag for o in runs[tag])
+    assert_exact(refs[tag], runs[tag], sharded=False)
 
 
 @pytest.mark.parametrize("tag", [o["tag"] for _, _, o in FSDP2_CASES])
