@@ -27,6 +27,7 @@ from lightning_llmpar.checkpointing.hf import load_hf_checkpoint
 from lightning_llmpar.checkpointing.litgpt import load_litgpt_checkpoint
 from lightning_llmpar.context_parallel import apply_context_parallel
 from lightning_llmpar.data_parallel.compression.hooks import GradientCompression, apply_gradient_compression
+from lightning_llmpar.data_parallel.replicate import ManualBackwardRedirection, prepare_manual_backward
 from lightning_llmpar.modeling.materialize import materialize
 from lightning_llmpar.modeling.structure import mark_block_stack
 from lightning_llmpar.modeling.ties import find_tied_weights
@@ -105,6 +106,7 @@ class FSDP2Backend(ShardingBackend):
         s = self.strategy
         module = s.lightning_module
         assert module is not None
+        s._forward_redirection = ManualBackwardRedirection()  # manual optimization on DDP (see data_parallel.replicate)
         done = getattr(module, "_llmpar_parallelized", None)
         if done is not None:
             # fit -> validate/test/predict on the same module: it is already split and sharded.
@@ -237,6 +239,8 @@ class FSDP2Backend(ShardingBackend):
                 loss = loss * s._step_tokens
             if s.context_parallel is not None and s.context_parallel.active:
                 loss = loss * s.context_parallel.loss_weight
+            if not s.lightning_module.automatic_optimization:
+                prepare_manual_backward(s.model, loss)  # the backward runs inside the step (see data_parallel.replicate)
             return super().backward(loss, optimizer, *args, **kwargs)
         # The schedule already ran backward inside training_step (before Lightning's zero_grad), so
         # fire the backward hooks as usual but put the set-aside gradients back instead of autograd.

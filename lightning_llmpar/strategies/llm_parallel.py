@@ -25,7 +25,6 @@ from lightning_llmpar.context_parallel import ContextParallel
 from lightning_llmpar.data_parallel.backend import FSDP2Backend, ShardingBackend
 from lightning_llmpar.data_parallel.deepspeed import DeepSpeedBackend
 from lightning_llmpar.data_parallel.fsdp import no_gradient_sync
-from lightning_llmpar.data_parallel.replicate import ManualBackwardRedirection, prepare_manual_backward
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.parallelize import ParallelConfig
 from lightning_llmpar.pipeline.runner import PipelineRunner
@@ -167,7 +166,6 @@ class LLMParallelStrategy(MeshStrategy):
         # The sharding backend is an object this strategy holds; the precision plugin given so far is converted
         # again for it (the DeepSpeed engine runs precision itself).
         self._backend: ShardingBackend = DeepSpeedBackend(self) if sharding_backend == "deepspeed" else FSDP2Backend(self)
-        self._forward_redirection = ManualBackwardRedirection()
         self.precision_plugin = self._given_precision
 
     @property
@@ -289,12 +287,6 @@ class LLMParallelStrategy(MeshStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         return self._backend.backward(closure_loss, optimizer, *args, **kwargs)
-
-    @override
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        super().pre_backward(closure_loss)
-        if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
-            prepare_manual_backward(self.model, closure_loss)  # backward inside the step: see data_parallel.replicate
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
