@@ -35,8 +35,8 @@ class ParallelConfig:
     # Apply FSDP2 even with one data-parallel rank: its policy is what casts fp32 master weights to the
     # compute dtype (BF16 true).
     always_shard: bool = False
-    # The precision plugin computes in fp32/fp64 with no parameter casting and no FP8 weights: nothing it needs
-    # from FSDP2, so pure data parallelism can run on DDP (see data_parallel.replicate).
+    # The precision plugin computes in fp32/fp64 with no parameter casting (so never with always_shard) and no FP8
+    # weights: nothing it needs from FSDP2, so pure data parallelism can run on DDP (see data_parallel.replicate).
     plain_precision: bool = True
     # Compresses the data-parallel gradient sync (see lightning_llmpar.data_parallel.compression.hooks).
     gradient_compression: CompressionConfig | None = None
@@ -98,8 +98,8 @@ def parallelize(
         apply_compile(model)
     if not (layout.dp * layout.cp > 1 or config.cpu_offload or config.always_shard):
         return done
-    if replicates(layout, plain_precision=config.plain_precision and not config.always_shard,
-                  compression=config.gradient_compression is not None, cpu_offload=config.cpu_offload):
+    if replicates(layout, plain_precision=config.plain_precision, compression=config.gradient_compression is not None,
+                  cpu_offload=config.cpu_offload):
         apply_replicate(model, mesh["dp_replicate"].get_group())
         done.dp_roots = [model]
         return done

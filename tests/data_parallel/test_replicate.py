@@ -41,6 +41,8 @@ FSDP2_CASES = [
     ("llama", {"zero_stage": 1}, {"tag": "zero1"}),
     ("llama", {"gradient_compression": "fp16"}, {"tag": "compressed"}),
 ]
+# Dropout: masks differ from one process's, so the replicas are compared with each other instead.
+DROPOUT = [("gpt2", {}, {"tag": "dropout", "dropout": 0.1})]
 # Manual optimization on the FSDP2 paths, against one process too.
 FSDP2_MANUAL = [
     ("llama", {"zero_stage": 3}, {"tag": "manual_zero3", "manual": True, "clip": 1.0}),
@@ -63,10 +65,10 @@ def results() -> tuple[dict[str, Any], dict[str, list[Any]]]:
     exact = DDP_CASES + FSDP2_MANUAL
     wanted = {_ref_key(n, o): (n, _data(o)) for n, _, o in exact}
     refs = run_ranks(fit_cases, 1, [(n, None, 8, {**d, "tag": key}) for key, (n, d) in wanted.items()])[0]
-    cases = [(n, k, o.get("batch", 4), {kk: v for kk, v in o.items() if kk != "batch"}) for n, k, o in exact + FSDP2_CASES]
+    cases = [(n, k, o.get("batch", 4), {kk: v for kk, v in o.items() if kk != "batch"}) for n, k, o in exact + FSDP2_CASES + DROPOUT]
     outs = run_ranks(fit_cases, 2, cases, timeout=900)
     ref_of = {o["tag"]: refs[(n, _ref_key(n, o))] for n, _, o in exact}
-    return ref_of, {o["tag"]: [r[(n, o["tag"])] for r in outs] for n, _, o in exact + FSDP2_CASES}
+    return ref_of, {o["tag"]: [r[(n, o["tag"])] for r in outs] for n, _, o in exact + FSDP2_CASES + DROPOUT}
 
 
 @pytest.mark.parametrize("tag", [o["tag"] for _, _, o in DDP_CASES])
@@ -123,3 +125,12 @@ def _all_reduces(accumulate: int, steps: int) -> int:
 def test_accumulated_microbatches_reduce_gradients_once_per_optimizer_step() -> None:
     once, accumulated = (run_ranks(_all_reduces, 2, accumulate, 3)[0] for accumulate in (1, 4))
     assert once > 0 and accumulated == once, (once, accumulated)
+
+
+def test_dropout_on_ddp_keeps_the_replicas_identical() -> None:
+    _, runs = results()
+    first, second = runs["dropout"]
+    assert first["data_parallel"] == second["data_parallel"] == "ddp"
+    assert first["losses"][0] != runs["tied"][0]["losses"][0], "dropout was active (same model and data without it)"
+    for name, param in first["params"].items():
+        torch.testing.assert_close(second["params"][name], param, atol=0, rtol=0, msg=name)
