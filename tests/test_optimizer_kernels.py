@@ -29,10 +29,10 @@ def test_groups_left_to_torch_are_fused_and_choices_are_kept() -> None:
         torch.optim.Adam(params[4:], lr=1e-2, fused=False),
         torch.optim.SGD(params, lr=1e-2),
     ]
-    assert apply_optimizer_kernels(optimizers, model) == {"fused": 1, "loop": 0}
+    assert apply_optimizer_kernels(optimizers, model) == {"fused": 1, "split": 0, "loop": 0}
     groups = [g for opt in optimizers for g in opt.param_groups]
     assert [(g["fused"], g["foreach"]) for g in groups] == [(True, None), (None, False), (False, None), (None, None)]
-    assert apply_optimizer_kernels([torch.optim.AdamW(params, lr=1e-2)], model, fused=False) == {"fused": 0, "loop": 0}
+    assert apply_optimizer_kernels([torch.optim.AdamW(params, lr=1e-2)], model, fused=False) == {"fused": 0, "split": 0, "loop": 0}
 
 
 def test_fused_adamw_matches_the_loop() -> None:
@@ -62,3 +62,48 @@ def test_resuming_keeps_this_runs_kernels() -> None:
     assert all(s["step"].dtype == torch.float32 and s["step"].item() == 1 for s in optimizer.state.values())
     _step(optimizer, model)
     assert all(s["step"].item() == 2 for s in optimizer.state.values())
+
+
+def _mixed_group_run(split: bool) -> dict:
+    # Tensor parallelism without FSDP2 leaves plain tensors and DTensors in one group; a one-rank mesh makes
+    # the DTensors here.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    from lightning_llmpar.training.optimizer import group_kernels
+
+    model = _model()
+    if split:
+        mesh = init_device_mesh("cpu", (1,))
+        for name in ("weight", "bias"):
+            setattr(model[0], name, nn.Parameter(distribute_tensor(getattr(model[0], name).detach(), mesh, [Replicate()])))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    counts = apply_optimizer_kernels([optimizer], model, fused=split)
+    seen = []
+    optimizer.register_step_pre_hook(lambda opt, *_: seen.append([(len(g["params"]), g["fused"]) for g in opt.param_groups]))
+    torch.manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(3, 4)
+        h = model[0](DTensor.from_local(x, mesh, [Replicate()])).to_local() if split else model[0](x)
+        model[2](model[1](h)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        schedule.step()
+    return {"counts": counts, "kernels": group_kernels(optimizer), "seen": seen, "groups": len(optimizer.param_groups),
+            "saved_groups": len(optimizer.state_dict()["param_groups"]), "lr": optimizer.param_groups[0]["lr"],
+            "params": [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]}
+
+
+def test_a_group_mixing_plain_tensors_and_dtensors_steps_fused_per_kind() -> None:
+    from tests.distributed import run_ranks
+
+    split = run_ranks(_mixed_group_run, 1, True)[0]
+    loop = _mixed_group_run(False)
+    assert split["counts"] == {"fused": 0, "split": 1, "loop": 0} and split["kernels"] == ["fused per tensor kind"]
+    # During each step: the DTensors (the first Linear) and the plain tensors as two fused groups.
+    assert split["seen"] and all(s == [(2, True), (4, True)] for s in split["seen"]), split["seen"]
+    # Between steps the user's one group, its schedule applied (4 halvings) and one group in the state dict.
+    assert split["groups"] == split["saved_groups"] == 1 and split["lr"] == loop["lr"] == 1e-2 / 16
+    for a, b in zip(split["params"], loop["params"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

@@ -193,9 +193,11 @@ def fit(
             "kernels": kernels(trainer)}
 
 
-def kernels(trainer: Trainer) -> set[tuple[Any, Any]]:
-    """The (fused, foreach) flags of every parameter group: which optimizer kernel each runs."""
-    return {(g.get("fused"), g.get("foreach")) for opt in trainer.optimizers for g in opt.param_groups}
+def kernels(trainer: Trainer) -> set[str]:
+    """Which optimizer kernels the parameter groups run ('fused', 'fused per tensor kind', 'loop', ...)."""
+    from lightning_llmpar.training.optimizer import group_kernels
+
+    return {kernel for opt in trainer.optimizers for kernel in group_kernels(opt)}
 
 
 def _plain(state: dict[str, Any]) -> dict[str, Any]:

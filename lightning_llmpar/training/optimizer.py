@@ -9,8 +9,10 @@ the per-tensor loop on CPU, ``foreach`` on GPUs. Two consequences for a parallel
   and FSDP2 shards, on one or several meshes). Adam/AdamW groups left to torch are switched to it.
 - ``foreach`` and fused kernels refuse a list that mixes plain tensors and DTensors, which tensor parallelism
   without FSDP2 leaves (a norm outside the plan stays a plain tensor). On GPUs torch would pick ``foreach`` for
-  such a group and fail at the first step; the group is set to the loop instead, and a user's explicit
-  ``foreach=True`` / ``fused=True`` on it is refused before training.
+  such a group and fail at the first step. Such an Adam/AdamW group is stepped as two fused lists, its DTensors
+  and its plain tensors, split for the step only (:class:`_FusedByKind`): the user's groups, learning-rate
+  schedules and checkpoints see one group. Other optimizers' mixed groups run the loop; a user's explicit
+  ``foreach=True`` / ``fused=True`` on one is refused before training.
 """
 
 from __future__ import annotations
@@ -25,29 +27,90 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
-__all__ = ["apply_optimizer_kernels", "keep_kernels"]
+__all__ = ["apply_optimizer_kernels", "group_kernels", "keep_kernels"]
 
 # Exact types: a subclass may override ``step`` with its own arithmetic. SGD's fused kernel has no DTensor rule.
 _FUSABLE = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def apply_optimizer_kernels(optimizers: Iterable[Optimizer], module: nn.Module, fused: bool = True) -> dict[str, int]:
-    """Set each parameter group's kernel; returns how many groups were switched to ``fused`` and to the loop."""
+    """Set each parameter group's kernel; returns how many groups were switched to ``fused``, to fused per tensor
+    kind (``split``) and to the loop."""
     names = {id(p): n for n, p in module.named_parameters()}
-    counts = {"fused": 0, "loop": 0}
+    counts = {"fused": 0, "split": 0, "loop": 0}
     for optimizer in optimizers:
-        for group in optimizer.param_groups:
+        split = set()
+        for index, group in enumerate(optimizer.param_groups):
             chosen = bool(group.get("foreach")) or bool(group.get("fused"))
+            fusable = fused and type(optimizer) in _FUSABLE and _fusable(group)
             if _mixed(group["params"]):
                 if chosen:
                     raise ValueError(_mixed_message(optimizer, group, names))
-                if "foreach" in group:  # a torch optimizer: the loop is the implementation that runs this group
+                if "foreach" in group:  # a torch optimizer: the loop runs this group whenever it is not split
                     group["foreach"] = False
-                    counts["loop"] += 1
-            elif fused and type(optimizer) in _FUSABLE and _fusable(group):
+                    if fusable:
+                        split.add(index)
+                    counts["split" if fusable else "loop"] += 1
+            elif fusable:
                 group["fused"] = True
                 counts["fused"] += 1
+        by_kind = getattr(optimizer, "_llmpar_fused_by_kind", None)
+        if by_kind is not None:  # set up again: one pair of hooks per optimizer
+            by_kind.indices = split
+        elif split:
+            _FusedByKind(optimizer, split)
     return counts
+
+
+def group_kernels(optimizer: Optimizer) -> list[str]:
+    """The kernel each parameter group runs: 'fused', 'fused per tensor kind', 'foreach', 'loop' or 'torch's choice'."""
+    split = getattr(getattr(optimizer, "_llmpar_fused_by_kind", None), "indices", set())
+    names = []
+    for index, group in enumerate(optimizer.param_groups):
+        if index in split:
+            names.append("fused per tensor kind")
+        elif group.get("fused"):
+            names.append("fused")
+        elif group.get("foreach") is None:
+            names.append("torch's choice")
+        else:
+            names.append("foreach" if group["foreach"] else "loop")
+    return names
+
+
+class _FusedByKind:
+    """Steps each mixed group (plain tensors and DTensors) as two fused groups, one per kind, during ``step`` only.
+
+    The split groups share the group's hyperparameters as they are at that step (a schedule's learning rate
+    included); optimizer state is keyed by parameter, so it is the same state either way. Between steps
+    ``param_groups`` is the user's list, so schedulers, ``state_dict`` and checkpoints never see the split.
+    """
+
+    def __init__(self, optimizer: Optimizer, indices: set[int]) -> None:
+        self.indices = indices
+        self.saved: list[dict[str, Any]] | None = None
+        optimizer._llmpar_fused_by_kind = self  # type: ignore[attr-defined]
+        optimizer.register_step_pre_hook(self.split)
+        optimizer.register_step_post_hook(self.restore)
+
+    def split(self, optimizer: Optimizer, *_: Any) -> None:
+        self.restore(optimizer)  # a step that raised left its split in place
+        self.saved = optimizer.param_groups
+        groups = []
+        for index, group in enumerate(self.saved):
+            if index not in self.indices:
+                groups.append(group)
+                continue
+            for sharded in (True, False):
+                params = [p for p in group["params"] if isinstance(p, DTensor) is sharded]
+                if params:
+                    groups.append({**group, "params": params, "fused": True, "foreach": False})
+                _fused_steps(optimizer, params)
+        optimizer.param_groups = groups
+
+    def restore(self, optimizer: Optimizer, *_: Any) -> None:
+        if self.saved is not None:
+            optimizer.param_groups, self.saved = self.saved, None
 
 
 @contextmanager
@@ -60,10 +123,16 @@ def keep_kernels(optimizers: list[Optimizer]) -> Iterator[None]:
         for group, (fused, foreach) in zip(optimizer.param_groups, kernels):
             if "fused" in group:
                 group["fused"], group["foreach"] = fused, foreach
-            for p in group["params"] if fused else []:
-                state = optimizer.state.get(p, {})
-                if torch.is_tensor(state.get("step")):
-                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+            _fused_steps(optimizer, group["params"] if fused else [])
+
+
+def _fused_steps(optimizer: Optimizer, params: list[torch.Tensor]) -> None:
+    """Fused kernels keep the step count as float32 on the parameter's device; the loop's (a checkpoint
+    written by one process) is converted."""
+    for p in params:
+        step = optimizer.state.get(p, {}).get("step")
+        if torch.is_tensor(step) and (step.dtype != torch.float32 or step.device != p.device):
+            optimizer.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
 
 
 def _mixed(params: list[torch.Tensor]) -> bool:
