@@ -195,9 +195,15 @@ def _worker(rank: int, world: int, port: int, spec: dict[str, Any], out: str) ->
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", GROUP_RANK="0")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    result = _run(spec)
-    if rank == 0:
-        torch.save(result, out)
+    try:
+        result = _run(spec)
+        if rank == 0:
+            torch.save(result, out)
+    finally:
+        # Leave the process group before the interpreter exits: gloo's threads left to exit-time destructors
+        # have aborted a finished rank ("terminate called without an active exception").
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _launch(spec: dict[str, Any], devices: int) -> dict[str, Any]:
