@@ -76,6 +76,18 @@ class _StandIn(nn.Module):
         dtype = self.dtype if self.dtype is not None and out.is_floating_point() else out.dtype
         return torch.zeros(out.shape, dtype=dtype, device=device)
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            param = self._meta[0]._parameters.get(name) if self._meta else None
+            if param is None:
+                raise
+        # The model reads a weight of the module it replaces for its device, dtype or shape (Llama 4 moves the input
+        # ids to the embedding's device): a zero-stride tensor of that shape on this stage's device, no memory.
+        device = next((p.device for p in self._blocks[0].parameters()), torch.device("cpu"))
+        return torch.zeros((), dtype=self.dtype or param.dtype, device=device).expand(param.shape)
+
 
 class _PassThrough(nn.Module):
     """Stands for a block before the current stage's first block: returns its input unchanged."""
