@@ -20,10 +20,16 @@ MODELS = [
     "llama", "llama_tied", "qwen2", "qwen2_tied", "qwen3", "mistral", "gemma2", "phi3", "phi3_gqa", "gpt2",
     "gpt2_untied", "gpt_neox", "opt", "mixtral", "olmo2", "starcoder2", "falcon", "bloom", "granite", "qwen3_moe",
 ]
+# Newer families at the two layouts that depend on a model's structure (ZeRO shards every block alike): MoE layers
+# with a shared expert and its gate, parallel attention and MLP, per-head fused q/k/v with per-head norms, layers
+# without rotary positions, squared-ReLU MLPs, an activation with parameters (Apertus' xIELU), (E, in, out) experts
+# in a MoE layer that returns flat tokens and reads the embedding's weight (Llama 4), latent attention (DeepSeek-V3).
+MORE_MODELS = ["qwen2_moe", "glm4_moe", "gemma3", "cohere", "phi", "smollm3", "persimmon", "nemotron", "apertus", "llama4",
+               "deepseek_v3"]
 LITGPT_MODELS = ["litgpt_llama", "litgpt_pythia", "litgpt_gemma2", "litgpt_phi2", "litgpt_qwen3", "litgpt_mixtral",
                  "litgpt_falcon"]
 HAS_LITGPT = importlib.util.find_spec("litgpt") is not None
-RUN = MODELS + (LITGPT_MODELS if HAS_LITGPT else [])
+RUN = MODELS + MORE_MODELS + (LITGPT_MODELS if HAS_LITGPT else [])
 GLOBAL_BATCH = 8
 TWO_RANKS = {
     "tp2": {"tensor_parallel": 2},
@@ -32,7 +38,7 @@ TWO_RANKS = {
     "dp2-zero1": {"zero_stage": 1},
 }
 # ZeRO-1 is the same for every model family (no structure involved): LitGPT's cover it.
-ONLY = {"dp2-zero1": LITGPT_MODELS}
+ONLY = {"dp2-zero1": LITGPT_MODELS, "dp2-zero3": MODELS + LITGPT_MODELS, "tp2-pp2": MODELS + LITGPT_MODELS}
 FOUR_RANKS = {"tp2-pp2": {"tensor_parallel": 2, "pipeline_parallel": 2}}
 
 
@@ -59,7 +65,7 @@ def references() -> dict[str, dict[str, Any]]:
 def _cases(layouts: dict[str, dict[str, Any]]) -> list[Any]:
     litgpt = pytest.mark.skipif(not HAS_LITGPT, reason="litgpt is not installed (pip install --no-deps litgpt)")
     return [pytest.param(m, lid, id=f"{m}-{lid}", marks=[litgpt] if m in LITGPT_MODELS else [])
-            for lid in layouts for m in ONLY.get(lid, MODELS + LITGPT_MODELS)]
+            for lid in layouts for m in ONLY.get(lid, MODELS + MORE_MODELS + LITGPT_MODELS)]
 
 
 @pytest.fixture(scope="module")

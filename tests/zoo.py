@@ -47,6 +47,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                      "shared_expert_intermediate_size": 32}),
+    "glm4_moe": ("Glm4MoeConfig", {"head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                   "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 8}),
+    "cohere": ("CohereConfig", {}),
+    "phi": ("PhiConfig", {"num_key_value_heads": 4}),
+    "smollm3": ("SmolLM3Config", {"pad_token_id": 0}),
+    "persimmon": ("PersimmonConfig", {}),
+    "nemotron": ("NemotronConfig", {"head_dim": 8}),
+    "apertus": ("ApertusConfig", {}),
+    "llama4": ("Llama4TextConfig", {"head_dim": 8, "num_local_experts": 4, "intermediate_size_mlp": 64}),
+    "deepseek_v3": ("DeepseekV3Config", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                         "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+                                         "v_head_dim": 8, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}),
 }
 
 

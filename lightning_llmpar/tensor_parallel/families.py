@@ -16,7 +16,7 @@ from torch import nn
 from lightning_llmpar.tensor_parallel.packing import Packing
 
 __all__ = [
-    "Q", "K", "V", "OUT", "UP", "DOWN", "FUSED_QKV", "FUSED_UP", "HEAD_COUNT_ATTRS", "WIDTH_ATTRS",
+    "Q", "K", "V", "OUT", "UP", "DOWN", "FUSED_QKV", "FUSED_UP", "HEAD_COUNT_ATTRS", "WIDTH_ATTRS", "WHOLE_ATTENTION",
     "FusedLayout", "fused_qkv_layout", "head_slices", "out_features",
 ]
 
@@ -28,6 +28,8 @@ FUSED_QKV = {"qkv", "qkv_proj", "c_attn", "wqkv", "query_key_value", "in_proj", 
 UP = {"up_proj", "gate_proj", "w1", "w3", "fc1", "c_fc", "fc_in", "gate", "up", "dense_h_to_4h", "lin1", "fc_1", "fc_2", "fc"}
 DOWN = {"down_proj", "w2", "fc2", "fc_out", "c_proj", "down", "dense_4h_to_h", "lin2", "proj"}
 FUSED_UP = {"gate_up_proj", "w13", "fc1_gate"}
+# Children that mark an attention tensor parallelism keeps whole (DeepSeek's multi-head latent attention).
+WHOLE_ATTENTION = {"kv_a_proj_with_mqa"}
 
 # Attributes an attention module (or its own config) may read to reshape into heads; they hold per-rank
 # counts after TP.
@@ -69,7 +71,7 @@ def _phi3(attn: nn.Module, tp: int) -> FusedLayout:
 
 
 def _per_head(attn: nn.Module, tp: int) -> FusedLayout:
-    # GPT-NeoX, Bloom: rows [q_h; k_h; v_h] per head.
+    # GPT-NeoX, Bloom, Persimmon: rows [q_h; k_h; v_h] per head.
     heads = getattr(attn, "num_heads", None) or attn.config.num_attention_heads
     return FusedLayout(None, heads, heads)
 
@@ -103,6 +105,7 @@ FUSED_QKV_LAYOUTS: dict[str, Callable[[nn.Module, int], FusedLayout | None]] = {
     "Phi3Attention": _phi3,
     "GPTNeoXAttention": _per_head,
     "BloomAttention": _per_head,
+    "PersimmonAttention": _per_head,
     "FalconAttention": _falcon,
 }
 

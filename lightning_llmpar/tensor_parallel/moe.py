@@ -23,7 +23,7 @@ class MoEPlanning:
     seq: bool
     result: TPPlan
     _moe_parents: set[str]
-    _expert_modules: set[str]
+    _moe_layers: set[str]
 
     def _add(self, name: str, style: PlanEntry, covered: set[str]) -> None:
         raise NotImplementedError
@@ -45,7 +45,7 @@ class MoEPlanning:
         (the experts' outputs are complete, so is their gradient)."""
         experts = moe.get_submodule(expert_list)
         self._moe_parents.add(full)
-        self._expert_modules.update(_join(full, f"{expert_list}.{i}") for i in range(len(experts)))
+        self._moe_layers.add(full)
         for n, child in moe.named_children():
             params = list(child.parameters())
             if n != expert_list and len(params) == 1 and params[0].dim() == 2 and params[0].shape[0] == len(experts):
@@ -56,25 +56,34 @@ class MoEPlanning:
         covered.update([full, _join(full, expert_list)])
 
     def _plan_moe(self, full: str, moe: nn.Module, experts: list[str], covered: set[str]) -> None:
+        self._moe_layers.add(full)
         num_experts = {p.shape[0] for n in experts for p in moe.get_submodule(n).parameters(recurse=False)}
+        hidden = None
         for n, child in moe.named_children():
             params = list(child.parameters())
             if n not in experts and len(params) == 1 and params[0].dim() == 2 and params[0].shape[0] in num_experts:
                 # The router stays whole: the experts' inputs (tokens, routing weights) sum their gradients over
                 # ranks, so it receives the full gradient.
                 covered.add(_join(full, n))
+                hidden = params[0].shape[1]
         for n in experts:
             name = _join(full, n)
             module = moe.get_submodule(n)
+            weights = dict(module.named_parameters(recurse=False))
+            down = next((p for pname, p in weights.items() if "down" in pname or pname == "w2"), None)
+            # Some experts store (E, in, out) (Llama 4): the FFN width is then dim 1 of down_proj (E, I, H), dim 2
+            # of gate_up_proj (E, H, 2I). Told apart by the router's hidden size.
+            transposed = down is not None and down.dim() == 3 and down.shape[2] == hidden != down.shape[1]
             params = {}
-            for pname, p in module.named_parameters(recurse=False):
+            for pname, p in weights.items():
                 if p.dim() != 3:
                     raise ValueError(f"MoE experts '{name}': parameter '{pname}' is not a 3-D (experts, out, in) weight.")
                 if "down" in pname or pname == "w2":
-                    params[pname] = (2, None)
+                    params[pname] = (1 if transposed else 2, None)
                 else:
-                    packing = Packing(1, (p.shape[1] // 2, p.shape[1] // 2), self.tp) if "gate_up" in pname or pname == "w13" else None
-                    params[pname] = (1, packing)
+                    dim = 2 if transposed else 1
+                    packing = Packing(dim, (p.shape[dim] // 2,) * 2, self.tp) if "gate_up" in pname or pname == "w13" else None
+                    params[pname] = (dim, packing)
                     if packing is not None:
                         self.result.packings[_join(name, pname)] = packing
                 if p.shape[params[pname][0]] % self.tp:

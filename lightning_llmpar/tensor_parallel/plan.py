@@ -19,7 +19,6 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import RowwiseParallel
 
 from lightning_llmpar.modeling.structure import find_block_stack, has_forward
 from lightning_llmpar.tensor_parallel import families as fam
@@ -29,6 +28,7 @@ from lightning_llmpar.tensor_parallel.entries import is_norm as _is_norm
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.entries import linear_like as _linear_like
 from lightning_llmpar.tensor_parallel.moe import MoEPlanning, fused_experts
+from lightning_llmpar.tensor_parallel.outside import check_ties, plan_outside
 from lightning_llmpar.tensor_parallel.packing import Packing
 from lightning_llmpar.tensor_parallel.shipped import shipped_roles
 from lightning_llmpar.tensor_parallel.styles import (
@@ -41,7 +41,6 @@ from lightning_llmpar.tensor_parallel.styles import (
     SplitExperts,
     SplitLinear,
     is_conv1d,
-    weight_placement,
 )
 
 __all__ = ["TPPlan", "TP_STYLES", "infer_tp_plan", "PlanEntry"]  # TPPlan, TP_STYLES, PlanEntry: see entries
@@ -70,8 +69,10 @@ class _Planner(MoEPlanning):
         self.result = TPPlan(sequence_parallel=seq)
         self.styles = self.result.styles
         self.claimed: set[str] = set()
-        self._expert_modules: set[str] = set()
-        self._moe_parents: set[str] = set()
+        self._moe_parents: set[str] = set()  # MoE layers whose experts are a list of MLP modules
+        self._moe_layers: set[str] = set()  # every MoE layer: it works on whole (replicated) tokens
+        self._attention: set[str] = set()  # attention regions (the others are MLPs)
+        self._widths: dict[str, frozenset[int]] = {}  # MLP region -> this rank's widths of its split features
         self.roles = shipped_roles(model)
         for name, module in model.named_modules():
             for pattern, spec in user_plan.items():
@@ -118,8 +119,8 @@ class _Planner(MoEPlanning):
                 self.styles.setdefault(first + "#in", PrepareFirstInput(Replicate(), TOKEN))
             if last in names:
                 self.styles.setdefault(last + "#out", GatherFirstOutput(TOKEN, Replicate()))
-        self._plan_outside(stack.prefix if stack is not None else None)
-        self._check_ties()
+        plan_outside(self.model, self.tp, self.styles, self.claimed, stack.prefix if stack is not None else None)
+        check_ties(self.model, self.styles)
         return self.result
 
     # ------------------------------------------------------------------ one block
@@ -190,6 +191,20 @@ class _Planner(MoEPlanning):
         children = dict(module.named_children())
         if self._role(full, "", module, {}) == "experts" or fused_experts(module):
             return None  # planned with its MoE parent
+        if fam.WHOLE_ATTENTION & children.keys() and full not in self.claimed:
+            # Multi-head latent attention (DeepSeek): one rotary key slice serves every head, so a split by heads
+            # would leave its projection's gradient partial. Kept whole, as transformers' own plan keeps it.
+            split = [n for n, _ in module.named_modules() if self.styles.get(_join(full, n)) is not None]
+            if split:
+                raise ValueError(
+                    f"tp_plan splits '{_join(full, split[0])}' of {type(module).__name__} '{full}', a multi-head latent"
+                    " attention: its rotary key slice is shared by every head, so split heads would give its"
+                    f" projection a partial gradient (wrong results). Leave '{full}' out of tp_plan: it is kept whole."
+                )
+            for n, _ in module.named_modules():
+                self.claimed.add(_join(full, n))
+                self.styles[_join(full, n)] = None
+            return None
         experts = [n for n, c in children.items() if self.roles.get(_join(full, n)) == "experts" or fused_experts(c)]
         if experts:
             self._plan_moe(full, module, experts, covered)
@@ -198,7 +213,8 @@ class _Planner(MoEPlanning):
         if expert_list is not None:
             self._plan_expert_list(full, module, expert_list, covered)
             return False
-        in_moe = full in self._expert_modules
+        # An expert, or an MLP beside the experts (a shared expert): the layer combines its output whole.
+        in_moe = any(full.startswith(layer + ".") for layer in self._moe_layers)
         name_roles = self._name_roles({n: c for n, c in children.items() if _linear_like(c)})
         roles = {n: r for n, c in children.items() if (r := self._role(_join(full, n), n, c, name_roles))}
         cols = [n for n, r in roles.items() if r in ("col", "qkv", "gate_up")]
@@ -206,10 +222,23 @@ class _Planner(MoEPlanning):
         if not cols or not rows:
             return None
         attention = any(roles[n] == "qkv" for n in cols) or any(n.lower() in fam.Q for n in cols) or hasattr(module, "head_dim")
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        if own and full not in self.claimed:
+            raise ValueError(
+                f"{type(module).__name__} '{full}' holds parameter '{own[0]}' itself, beside the projections that tensor"
+                f" parallelism splits by {'heads' if attention else 'features'}; it may be indexed by them (GPT-OSS's"
+                f" per-head attention sinks), which no split of its own can be inferred for. Train this model with"
+                " pipeline_parallel and/or data parallelism (zero_stage 0-3), or give the module a style in tp_plan."
+            )
         # An MLP whose projections are direct children of the block (OPT) is "inline": its input cannot be
         # gathered at a module boundary, so its column splits gather their own input.
         inline = not attention and is_block
         heads = self._plan_attention(full, module, roles, cols) if attention else None
+        if attention:
+            self._attention.add(full)
+        else:
+            widths = [fam.out_features(children[n]) for n in cols] + [children[n].weight.shape[0 if is_conv1d(children[n]) else 1] for n in rows]
+            self._widths[full] = frozenset(w // self.tp for w in widths)
         col_in = TOKEN if (self.seq and inline) else Replicate()
         row_out = TOKEN if self.seq and not in_moe else Replicate()  # an expert's output is combined whole
         for n in sorted(cols):
@@ -304,12 +333,17 @@ class _Planner(MoEPlanning):
     # ------------------------------------------------------------------ everything else in a block
 
     def _plan_rest(self, block_name: str, block: nn.Module, covered: set[str], regions: dict[str, bool]) -> None:
-        def region_of(name: str) -> str | None:
-            return next((r for r, inline in regions.items() if not inline and (name == r or name.startswith(r + "."))), None)
+        def region_of(name: str) -> str | None:  # the innermost
+            found = [r for r, inline in regions.items() if not inline and (name == r or name.startswith(r + "."))]
+            return max(found, key=len, default=None)
 
         for sub_name, sub in block.named_modules():
             full = _join(block_name, sub_name)
             if full in covered or self.styles.get(full) is not None:
+                continue
+            if full not in self.claimed and region_of(full) in self._moe_layers:
+                # In a MoE layer but in none of its experts or MLPs (a shared expert's gate): the layer takes whole
+                # tokens and returns its output whole, so this module, left replicated, gets its full gradient.
                 continue
             if _linear_like(sub) and full not in self.claimed:
                 raise ValueError(
@@ -321,6 +355,11 @@ class _Planner(MoEPlanning):
             if not _has_params(sub):
                 continue
             region = region_of(full)
+            if region is not None and region not in self._attention | self._moe_layers and full not in self.claimed:
+                # Between an MLP's column and row splits (an activation with parameters, xIELU): applied to this
+                # rank's features, the last dim; DTensor computes it and sums the whole parameters' gradient.
+                self.styles[full] = ReplicatedOnShards(1, self._widths[region])
+                continue
             if region is not None:
                 raise ValueError(
                     f"Module '{full}' holds parameters inside the tensor-parallel region '{region}', where each rank"
@@ -353,48 +392,3 @@ class _Planner(MoEPlanning):
         self.result.packings[f"{name}.weight"] = packing
         if isinstance(getattr(module, "bias", None), nn.Parameter):
             self.result.packings[f"{name}.bias"] = Packing(0, packing.sizes, packing.tp)
-
-    # ------------------------------------------------------------------ embeddings, head, ties
-
-    def _plan_outside(self, stack_prefix: str | None) -> None:
-        def inside_stack(name: str) -> bool:
-            return stack_prefix is not None and (name == stack_prefix or name.startswith(stack_prefix + "."))
-
-        modules = [(n, m) for n, m in self.model.named_modules() if n and not inside_stack(n) and n not in self.claimed]
-        # A pipeline rank without the embedding still knows the vocabulary from the stand-in left in its place.
-        vocab_sizes = {m.num_embeddings for m in self.model.modules() if isinstance(getattr(m, "num_embeddings", None), int)}
-        heads = [(n, m) for n, m in modules if isinstance(m, nn.Linear) and m.out_features in vocab_sizes]
-        vocab = max((m.out_features for _, m in heads), default=max(vocab_sizes, default=0))
-        for name, module in modules:
-            if isinstance(module, nn.Embedding) and module.num_embeddings == vocab:
-                if module.num_embeddings % self.tp:
-                    raise ValueError(
-                        f"Embedding '{name}' has {module.num_embeddings} rows, not divisible by tensor_parallel({self.tp})."
-                        f" Pad the vocabulary to a multiple of {self.tp}, or set tp_plan={{'{name}': 'replicate'}}."
-                    )
-                self.styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        for name, module in heads:
-            if module.out_features == vocab and module.out_features % self.tp == 0:
-                # The LM head: split the vocabulary and gather full logits so the user's loss is unchanged.
-                self.styles[name] = SplitLinear("col", output=Replicate())
-
-    def _check_ties(self) -> None:
-        owners: dict[int, tuple[str, Any]] = {}
-        for name, module in self.model.named_modules():
-            style = self.styles.get(name)
-            for pname, param in module.named_parameters(recurse=False):
-                placement = weight_placement(style, module) if pname == "weight" or style is None else None
-                if id(param) in owners:
-                    other, other_placement = owners[id(param)]
-                    if placement is None or placement != other_placement:
-                        raise ValueError(
-                            f"Parameter '{_join(name, pname)}' is tied to '{other}', but the plan splits them"
-                            f" differently ({other_placement} vs {placement}), which would untie them. Split both the"
-                            f" same way: the default plan shards an embedding and its tied LM head by vocabulary;"
-                            f" or keep both whole: tp_plan={{'{other.rsplit('.', 1)[0]}': 'replicate', '{name}':"
-                            f" 'replicate'}}."
-                        )
-                else:
-                    owners[id(param)] = (_join(name, pname), placement)
-
-

@@ -143,11 +143,13 @@ class SplitLinear(ParallelStyle):
 class ReplicatedOnShards(ParallelStyle):
     """Whole (replicated) parameters applied to activations sharded along the dim ``from_end`` places from
     the end: a norm on sequence-parallel tokens (``from_end=2``), a per-head q/k norm on this rank's heads
-    (``from_end=2`` of ``(batch, seq, heads, head_dim)``). DTensor sums the weight gradient over ranks."""
+    (``from_end=2`` of ``(batch, seq, heads, head_dim)``), an activation with parameters on this rank's MLP
+    features (``from_end=1``, ``widths``: the local widths that sharded dim may have). DTensor sums the weight
+    gradient over ranks."""
 
-    def __init__(self, from_end: int = 2) -> None:
+    def __init__(self, from_end: int = 2, widths: frozenset[int] | None = None) -> None:
         super().__init__()
-        self.from_end = from_end
+        self.from_end, self.widths = from_end, widths
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for pname, param in list(module.named_parameters(recurse=False)):
@@ -155,6 +157,14 @@ class ReplicatedOnShards(ParallelStyle):
 
     def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x = inputs[0]
+        if self.widths is not None and not isinstance(x, DTensor) and x.shape[-self.from_end] not in self.widths:
+            # Called on something else than this rank's features (the MLP's whole input): its parameters would
+            # get a wrong gradient, so stop before the first step completes.
+            raise ValueError(
+                f"{type(module).__name__} holds parameters inside a tensor-parallel MLP and was called on"
+                f" {x.shape[-self.from_end]} features, not on this rank's share of the MLP's width"
+                f" ({sorted(self.widths)}). Give it a style in tp_plan, or train this model without tensor parallelism."
+            )
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, (Shard(x.dim() - self.from_end),), run_check=False)
         return (x, *inputs[1:])
@@ -321,15 +331,24 @@ class GatherFirstOutput(ParallelStyle):
         self.current, self.desired = current, desired
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def convert(tensor: Any) -> Any:
+        first = first_arg_name(module)
+
+        def convert(tensor: Any, given: Any) -> Any:
+            if (self.desired == TOKEN and isinstance(given, Tensor) and tensor.dim() < given.dim()
+                    and tensor.shape[-1] == given.shape[-1] and tensor.numel() == given.numel()):
+                # The module flattened (batch, seq) into one token dim (Llama 4's MoE layer): shard the sequence
+                # as its input was, not the flat token list, then flatten this rank's tokens the same way.
+                local = _to_dtensor(tensor.view(given.shape), device_mesh, self.current, self.desired).to_local()
+                return local.flatten(0, given.dim() - tensor.dim())
             return _to_dtensor(tensor, device_mesh, self.current, self.desired).to_local()
 
-        def hook(_mod: nn.Module, _inputs: Any, output: Any) -> Any:
+        def hook(_mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            given = args[0] if args else kwargs.get(first)
             if isinstance(output, tuple):
-                return (convert(output[0]), *output[1:])
-            return convert(output)
+                return (convert(output[0], given), *output[1:])
+            return convert(output, given)
 
-        module.register_forward_hook(hook)
+        module.register_forward_hook(hook, with_kwargs=True)
         return module
 
 

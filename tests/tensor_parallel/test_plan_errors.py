@@ -186,3 +186,53 @@ def test_registered_names() -> None:
     assert trainer.strategy.layout.zero_stage == 3
     trainer = Trainer(accelerator="cpu", devices=1, strategy="llmpar_tp", logger=False)
     assert trainer.strategy.layout.tp == 1
+
+
+class _ParamActivation(nn.Module):
+    """An activation with a learned scale (as xIELU has): elementwise, so it runs on this rank's features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.alpha * torch.nn.functional.silu(x)
+
+
+def test_parameters_an_mlp_applies_to_its_split_features() -> None:
+    # Inside an MLP, between its column and row splits: whole parameters on this rank's features (last dim),
+    # checked against the local widths the projections give.
+    model = _gpt()
+    for layer in model.layers:
+        layer.mlp.act = _ParamActivation()
+    style = infer_tp_plan(model, 2).styles["layers.0.mlp.act"]
+    assert type(style).__name__ == "ReplicatedOnShards" and style.from_end == 1
+    assert style.widths == frozenset({model.layers[0].mlp.down_proj.in_features // 2})
+    # Its own parameters beside the projections of attention (GPT-OSS's per-head sinks): refused with the fix.
+    model = _gpt()
+    for layer in model.layers:
+        layer.attn.sinks = nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match=r"'layers.0.attn' holds parameter 'sinks' itself.*pipeline_parallel"):
+        infer_tp_plan(model, 2)
+
+
+def _call_on_the_whole_input() -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_llmpar.tensor_parallel.styles import ReplicatedOnShards
+
+    act = parallelize_module(_ParamActivation(), init_device_mesh("cpu", (1,)), ReplicatedOnShards(1, frozenset({8})))
+    act(torch.randn(2, 8))  # this rank's features
+    try:
+        act(torch.randn(2, 32))  # something else: the parameter's gradient would be wrong
+    except ValueError as err:
+        return str(err)
+    return "not refused"
+
+
+def test_a_parameter_called_on_something_else_than_the_split_features_is_refused() -> None:
+    from tests.distributed import run_ranks
+
+    message = run_ranks(_call_on_the_whole_input, 1)[0]
+    assert "called on 32 features, not on this rank's share of the MLP's width ([8])" in message, message

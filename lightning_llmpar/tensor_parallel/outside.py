@@ -1,0 +1,62 @@
+"""The plan outside the transformer blocks: the embedding and the LM head split by vocabulary, and tied
+parameters split alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import RowwiseParallel
+
+from lightning_llmpar.tensor_parallel.entries import join as _join
+from lightning_llmpar.tensor_parallel.styles import SplitLinear, weight_placement
+
+__all__ = ["check_ties", "plan_outside"]
+
+
+def plan_outside(model: nn.Module, tp: int, styles: dict[str, Any], claimed: set[str], stack_prefix: str | None) -> None:
+    """Outside the block stack: split the embedding and the LM head by vocabulary (``claimed``: the user's)."""
+
+    def inside_stack(name: str) -> bool:
+        return stack_prefix is not None and (name == stack_prefix or name.startswith(stack_prefix + "."))
+
+    modules = [(n, m) for n, m in model.named_modules() if n and not inside_stack(n) and n not in claimed]
+    # A pipeline rank without the embedding still knows the vocabulary from the stand-in left in its place.
+    vocab_sizes = {m.num_embeddings for m in model.modules() if isinstance(getattr(m, "num_embeddings", None), int)}
+    heads = [(n, m) for n, m in modules if isinstance(m, nn.Linear) and m.out_features in vocab_sizes]
+    vocab = max((m.out_features for _, m in heads), default=max(vocab_sizes, default=0))
+    for name, module in modules:
+        if isinstance(module, nn.Embedding) and module.num_embeddings == vocab:
+            if module.num_embeddings % tp:
+                raise ValueError(
+                    f"Embedding '{name}' has {module.num_embeddings} rows, not divisible by tensor_parallel({tp})."
+                    f" Pad the vocabulary to a multiple of {tp}, or set tp_plan={{'{name}': 'replicate'}}."
+                )
+            styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    for name, module in heads:
+        if module.out_features == vocab and module.out_features % tp == 0:
+            # The LM head: split the vocabulary and gather full logits so the user's loss is unchanged.
+            styles[name] = SplitLinear("col", output=Replicate())
+
+def check_ties(model: nn.Module, styles: dict[str, Any]) -> None:
+    """Refuse a plan that splits two tied parameters differently, which would untie them."""
+    owners: dict[int, tuple[str, Any]] = {}
+    for name, module in model.named_modules():
+        style = styles.get(name)
+        for pname, param in module.named_parameters(recurse=False):
+            placement = weight_placement(style, module) if pname == "weight" or style is None else None
+            if id(param) in owners:
+                other, other_placement = owners[id(param)]
+                if placement is None or placement != other_placement:
+                    raise ValueError(
+                        f"Parameter '{_join(name, pname)}' is tied to '{other}', but the plan splits them"
+                        f" differently ({other_placement} vs {placement}), which would untie them. Split both the"
+                        f" same way: the default plan shards an embedding and its tied LM head by vocabulary;"
+                        f" or keep both whole: tp_plan={{'{other.rsplit('.', 1)[0]}': 'replicate', '{name}':"
+                        f" 'replicate'}}."
+                    )
+            else:
+                owners[id(param)] = (_join(name, pname), placement)
+
+
