@@ -222,17 +222,17 @@ class _Planner(MoEPlanning):
         if not cols or not rows:
             return None
         attention = any(roles[n] == "qkv" for n in cols) or any(n.lower() in fam.Q for n in cols) or hasattr(module, "head_dim")
+        # An MLP whose projections are direct children of the block (OPT) is "inline": its input cannot be
+        # gathered at a module boundary, so its column splits gather their own input.
+        inline = not attention and is_block
         own = [n for n, _ in module.named_parameters(recurse=False)]
-        if own and full not in self.claimed:
+        if own and not inline and full not in self.claimed:  # (an inline region's block: see _plan_rest)
             raise ValueError(
                 f"{type(module).__name__} '{full}' holds parameter '{own[0]}' itself, beside the projections that tensor"
                 f" parallelism splits by {'heads' if attention else 'features'}; it may be indexed by them (GPT-OSS's"
                 f" per-head attention sinks), which no split of its own can be inferred for. Train this model with"
                 " pipeline_parallel and/or data parallelism (zero_stage 0-3), or give the module a style in tp_plan."
             )
-        # An MLP whose projections are direct children of the block (OPT) is "inline": its input cannot be
-        # gathered at a module boundary, so its column splits gather their own input.
-        inline = not attention and is_block
         heads = self._plan_attention(full, module, roles, cols) if attention else None
         if attention:
             self._attention.add(full)
