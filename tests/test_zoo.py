@@ -23,11 +23,12 @@ MODELS = [
 # Newer families at the two layouts that depend on a model's structure (ZeRO shards every block alike): MoE layers
 # with a shared expert and its gate, parallel attention and MLP, per-head fused q/k/v with per-head norms, layers
 # without rotary positions, squared-ReLU MLPs, an activation with parameters (Apertus' xIELU), (E, in, out) experts
-# in a MoE layer that returns flat tokens and reads the embedding's weight (Llama 4), latent attention (DeepSeek-V3).
+# in a MoE layer that returns flat tokens and reads the embedding's weight (Llama 4), latent attention (DeepSeek-V3),
+# per-head attention sinks and experts with biases and interleaved gate/up columns (GPT-OSS).
 MORE_MODELS = ["qwen2_moe", "glm4_moe", "gemma3", "cohere", "phi", "smollm3", "persimmon", "nemotron", "apertus", "llama4",
-               "deepseek_v3"]
+               "deepseek_v3", "gpt_oss"]
 LITGPT_MODELS = ["litgpt_llama", "litgpt_pythia", "litgpt_gemma2", "litgpt_phi2", "litgpt_qwen3", "litgpt_mixtral",
-                 "litgpt_falcon"]
+                 "litgpt_falcon", "litgpt_gemma3", "litgpt_olmo2"]
 HAS_LITGPT = importlib.util.find_spec("litgpt") is not None
 RUN = MODELS + MORE_MODELS + (LITGPT_MODELS if HAS_LITGPT else [])
 GLOBAL_BATCH = 8

@@ -24,7 +24,7 @@ from tests.workloads import kernels
 VOCAB, SEQ, SAMPLES = 64, 16, 64
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=32)
-_NO_SDPA = {"gemma2", "bloom"}
+_NO_SDPA = {"gemma2", "bloom", "gpt_oss"}
 
 # name -> (config class, overrides); "_tied"/"_untied" suffixes flip tie_word_embeddings.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -56,6 +56,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "persimmon": ("PersimmonConfig", {}),
     "nemotron": ("NemotronConfig", {"head_dim": 8}),
     "apertus": ("ApertusConfig", {}),
+    "gpt_oss": ("GptOssConfig", {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8}),
     "llama4": ("Llama4TextConfig", {"head_dim": 8, "num_local_experts": 4, "intermediate_size_mlp": 64}),
     "deepseek_v3": ("DeepseekV3Config", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                          "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
@@ -84,6 +85,7 @@ def make_config(name: str, dropout: float = 0.0) -> Any:
 LITGPT = {
     "litgpt_llama": "Llama-3.2-1B", "litgpt_pythia": "pythia-14m", "litgpt_gemma2": "gemma-2-2b", "litgpt_phi2": "phi-2",
     "litgpt_qwen3": "Qwen3-0.6B", "litgpt_mixtral": "Mixtral-8x7B-v0.1", "litgpt_falcon": "falcon-7b",
+    "litgpt_gemma3": "Gemma-3-1b-it", "litgpt_olmo2": "OLMo-2-1124-7B",
 }
 
 

@@ -11,11 +11,10 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from lightning_llmpar.tensor_parallel.packing import Packing
+from lightning_llmpar.tensor_parallel.param_styles import ReplicatedOnShards, ShardedNorm
 from lightning_llmpar.tensor_parallel.styles import (
     TOKEN,
     PrepareFirstInput,
-    ReplicatedOnShards,
-    ShardedNorm,
     SplitLinear,
     is_conv1d,
 )
@@ -102,3 +101,13 @@ def is_norm(module: nn.Module) -> bool:
 
 def has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
+
+
+def own_parameter_message(module: nn.Module, full: str, name: str, by: str) -> str:
+    """Why a region holding a parameter of its own (beside its projections) cannot be split."""
+    return (
+        f"{type(module).__name__} '{full}' holds parameter '{name}' itself, beside the projections that tensor"
+        f" parallelism splits by {by}, and it is not one value per query head, so no split of its own can be inferred."
+        " Train this model with pipeline_parallel and/or data parallelism (zero_stage 0-3), or give the module a style"
+        " in tp_plan."
+    )

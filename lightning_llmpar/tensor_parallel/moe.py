@@ -60,8 +60,8 @@ class MoEPlanning:
         num_experts = {p.shape[0] for n in experts for p in moe.get_submodule(n).parameters(recurse=False)}
         hidden = None
         for n, child in moe.named_children():
-            params = list(child.parameters())
-            if n not in experts and len(params) == 1 and params[0].dim() == 2 and params[0].shape[0] in num_experts:
+            params = [p for p in child.parameters() if p.dim() == 2]
+            if n not in experts and len(params) == 1 and params[0].shape[0] in num_experts:
                 # The router stays whole: the experts' inputs (tokens, routing weights) sum their gradients over
                 # ranks, so it receives the full gradient.
                 covered.add(_join(full, n))
@@ -70,19 +70,29 @@ class MoEPlanning:
             name = _join(full, n)
             module = moe.get_submodule(n)
             weights = dict(module.named_parameters(recurse=False))
-            down = next((p for pname, p in weights.items() if "down" in pname or pname == "w2"), None)
-            # Some experts store (E, in, out) (Llama 4): the FFN width is then dim 1 of down_proj (E, I, H), dim 2
-            # of gate_up_proj (E, H, 2I). Told apart by the router's hidden size.
-            transposed = down is not None and down.dim() == 3 and down.shape[2] == hidden != down.shape[1]
+            down = next((p for pname, p in weights.items() if ("down" in pname or pname == "w2") and p.dim() == 3), None)
+            # Some experts store (E, in, out) (Llama 4, GPT-OSS; transformers marks them is_transposed): the FFN
+            # width is then dim 1 of down_proj (E, I, H), dim 2 of gate_up_proj (E, H, 2I). Else told apart by
+            # the router's hidden size. Interleaved gate/up columns (is_concatenated=False) split as they are.
+            transposed = getattr(module, "is_transposed", down is not None and down.shape[2] == hidden != down.shape[1])
+            concatenated = getattr(module, "is_concatenated", True)
             params = {}
             for pname, p in weights.items():
+                is_down = "down" in pname or pname == "w2"
+                if p.dim() == 2 and pname.endswith("bias"):  # (E, out): split with its weight's outputs
+                    params[pname] = (None, None) if is_down else (1, None)
+                    if not is_down and concatenated:
+                        params[pname] = (1, Packing(1, (p.shape[1] // 2,) * 2, self.tp))
+                        self.result.packings[_join(name, pname)] = params[pname][1]
+                    continue
                 if p.dim() != 3:
                     raise ValueError(f"MoE experts '{name}': parameter '{pname}' is not a 3-D (experts, out, in) weight.")
-                if "down" in pname or pname == "w2":
+                if is_down:
                     params[pname] = (1 if transposed else 2, None)
                 else:
                     dim = 2 if transposed else 1
-                    packing = Packing(dim, (p.shape[dim] // 2,) * 2, self.tp) if "gate_up" in pname or pname == "w13" else None
+                    gate_up = ("gate_up" in pname or pname == "w13") and concatenated
+                    packing = Packing(dim, (p.shape[dim] // 2,) * 2, self.tp) if gate_up else None
                     params[pname] = (dim, packing)
                     if packing is not None:
                         self.result.packings[_join(name, pname)] = packing
@@ -98,7 +108,8 @@ class MoEPlanning:
         covered.add(full)
 
 
-def fused_experts(module: nn.Module) -> bool:
-    """transformers-style fused experts: 3-D expert weights such as gate_up_proj (E, 2I, H), down_proj (E, H, I)."""
-    params = dict(module.named_parameters(recurse=False))
+def fused_experts(module: nn.Module, biases: bool = False) -> bool:
+    """transformers-style fused experts: 3-D expert weights such as gate_up_proj (E, 2I, H), down_proj (E, H, I);
+    with ``biases``, also (E, out) biases beside them (GPT-OSS)."""
+    params = {n: p for n, p in module.named_parameters(recurse=False) if not (biases and p.dim() == 2 and n.endswith("bias"))}
     return len(params) >= 2 and all(p.dim() == 3 for p in params.values()) and any("down" in n or n == "w2" for n in params)

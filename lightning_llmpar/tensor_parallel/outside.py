@@ -6,13 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import RowwiseParallel
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_llmpar.tensor_parallel.entries import join as _join
-from lightning_llmpar.tensor_parallel.styles import SplitLinear, weight_placement
+from lightning_llmpar.tensor_parallel.param_styles import ReplicatedOnShards
+from lightning_llmpar.tensor_parallel.styles import SplitLinear
 
-__all__ = ["check_ties", "plan_outside"]
+__all__ = ["check_ties", "plan_outside", "weight_placement"]
 
 
 def plan_outside(model: nn.Module, tp: int, styles: dict[str, Any], claimed: set[str], stack_prefix: str | None) -> None:
@@ -60,3 +61,16 @@ def check_ties(model: nn.Module, styles: dict[str, Any]) -> None:
                 owners[id(param)] = (_join(name, pname), placement)
 
 
+def weight_placement(style: ParallelStyle | None, module: nn.Module) -> Placement | None:
+    """How ``style`` places ``module.weight`` (None: unknown), for checking that tied weights agree."""
+    if style is None:
+        return Replicate()
+    if isinstance(style, SplitLinear):
+        return None if style.packing is not None else style.weight_placement(module)
+    if isinstance(module, nn.Embedding) and isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return Shard(1) if isinstance(style, ColwiseParallel) else Shard(0)
+    if isinstance(module, nn.Linear) and isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return Shard(0) if isinstance(style, ColwiseParallel) else Shard(1)
+    if isinstance(style, ReplicatedOnShards):
+        return Replicate()
+    return None

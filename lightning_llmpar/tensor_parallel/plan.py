@@ -27,17 +27,17 @@ from lightning_llmpar.tensor_parallel.entries import has_params as _has_params
 from lightning_llmpar.tensor_parallel.entries import is_norm as _is_norm
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.entries import linear_like as _linear_like
+from lightning_llmpar.tensor_parallel.entries import own_parameter_message as _own_message
 from lightning_llmpar.tensor_parallel.moe import MoEPlanning, fused_experts
 from lightning_llmpar.tensor_parallel.outside import check_ties, plan_outside
 from lightning_llmpar.tensor_parallel.packing import Packing
+from lightning_llmpar.tensor_parallel.param_styles import OwnPerHead, ReplicatedOnShards, ShardedNorm
 from lightning_llmpar.tensor_parallel.shipped import shipped_roles
 from lightning_llmpar.tensor_parallel.styles import (
     TOKEN,
     GatherFirstOutput,
     HeadSlice,
     PrepareFirstInput,
-    ReplicatedOnShards,
-    ShardedNorm,
     SplitExperts,
     SplitLinear,
     is_conv1d,
@@ -189,7 +189,7 @@ class _Planner(MoEPlanning):
     def _plan_region(self, full: str, module: nn.Module, covered: set[str], is_block: bool) -> bool | None:
         """Plan ``module`` if its children form a region; returns whether the region is inline, else None."""
         children = dict(module.named_children())
-        if self._role(full, "", module, {}) == "experts" or fused_experts(module):
+        if self._role(full, "", module, {}) == "experts" or fused_experts(module, biases=True):
             return None  # planned with its MoE parent
         if fam.WHOLE_ATTENTION & children.keys() and full not in self.claimed:
             # Multi-head latent attention (DeepSeek): one rotary key slice serves every head, so a split by heads
@@ -205,7 +205,7 @@ class _Planner(MoEPlanning):
                 self.claimed.add(_join(full, n))
                 self.styles[_join(full, n)] = None
             return None
-        experts = [n for n, c in children.items() if self.roles.get(_join(full, n)) == "experts" or fused_experts(c)]
+        experts = [n for n, c in children.items() if self.roles.get(_join(full, n)) == "experts" or fused_experts(c, biases=True)]
         if experts:
             self._plan_moe(full, module, experts, covered)
             return False
@@ -226,13 +226,8 @@ class _Planner(MoEPlanning):
         # gathered at a module boundary, so its column splits gather their own input.
         inline = not attention and is_block
         own = [n for n, _ in module.named_parameters(recurse=False)]
-        if own and not inline and full not in self.claimed:  # (an inline region's block: see _plan_rest)
-            raise ValueError(
-                f"{type(module).__name__} '{full}' holds parameter '{own[0]}' itself, beside the projections that tensor"
-                f" parallelism splits by {'heads' if attention else 'features'}; it may be indexed by them (GPT-OSS's"
-                f" per-head attention sinks), which no split of its own can be inferred for. Train this model with"
-                " pipeline_parallel and/or data parallelism (zero_stage 0-3), or give the module a style in tp_plan."
-            )
+        if own and not inline and not attention and full not in self.claimed:  # (an inline block: see _plan_rest)
+            raise ValueError(_own_message(module, full, own[0], "features"))
         heads = self._plan_attention(full, module, roles, cols) if attention else None
         if attention:
             self._attention.add(full)
@@ -292,6 +287,14 @@ class _Planner(MoEPlanning):
                     f"Attention module '{full}': {what} = {value} is not divisible by tensor_parallel({self.tp})."
                     f" Use a tensor_parallel degree that divides every head count ({counts})."
                 )
+        own = {n: p for n, p in attn.named_parameters(recurse=False)}
+        if own and full not in self.claimed:
+            heads = counts.get("query heads")
+            bad = next((n for n, p in own.items() if heads is None or p.dim() == 0 or p.shape[0] != heads), None)
+            if bad is not None:
+                raise ValueError(_own_message(attn, full, bad, "heads"))
+            # One value per query head held by the attention itself (GPT-OSS's sinks): this rank's heads.
+            self.styles[full + "#own"] = OwnPerHead(tuple(own))
         self._local_counts(full, attn, cols, layout)
         slices = fam.head_slices(attn)
         if slices:
@@ -392,3 +395,4 @@ class _Planner(MoEPlanning):
         self.result.packings[f"{name}.weight"] = packing
         if isinstance(getattr(module, "bias", None), nn.Parameter):
             self.result.packings[f"{name}.bias"] = Packing(0, packing.sizes, packing.tp)
+

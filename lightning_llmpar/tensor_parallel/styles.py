@@ -22,8 +22,6 @@ from lightning_llmpar.tensor_parallel.packing import Packing, to_packed
 
 __all__ = [
     "SplitLinear",
-    "ReplicatedOnShards",
-    "ShardedNorm",
     "SplitExperts",
     "HeadSlice",
     "PrepareFirstInput",
@@ -140,63 +138,6 @@ class SplitLinear(ParallelStyle):
         return f"SplitLinear({self.kind}, input={self.input}, output={self.output}{packed})"
 
 
-class ReplicatedOnShards(ParallelStyle):
-    """Whole (replicated) parameters applied to activations sharded along the dim ``from_end`` places from
-    the end: a norm on sequence-parallel tokens (``from_end=2``), a per-head q/k norm on this rank's heads
-    (``from_end=2`` of ``(batch, seq, heads, head_dim)``), an activation with parameters on this rank's MLP
-    features (``from_end=1``, ``widths``: the local widths that sharded dim may have). DTensor sums the weight
-    gradient over ranks."""
-
-    def __init__(self, from_end: int = 2, widths: frozenset[int] | None = None) -> None:
-        super().__init__()
-        self.from_end, self.widths = from_end, widths
-
-    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for pname, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(pname, _distribute(param, mesh, Replicate()))
-
-    def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        x = inputs[0]
-        if self.widths is not None and not isinstance(x, DTensor) and x.shape[-self.from_end] not in self.widths:
-            # Called on something else than this rank's features (the MLP's whole input): its parameters would
-            # get a wrong gradient, so stop before the first step completes.
-            raise ValueError(
-                f"{type(module).__name__} holds parameters inside a tensor-parallel MLP and was called on"
-                f" {x.shape[-self.from_end]} features, not on this rank's share of the MLP's width"
-                f" ({sorted(self.widths)}). Give it a style in tp_plan, or train this model without tensor parallelism."
-            )
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, (Shard(x.dim() - self.from_end),), run_check=False)
-        return (x, *inputs[1:])
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition,
-            lambda mod, inputs, mesh: self._prepare_input(mod, inputs, mesh),
-            lambda mod, outputs, mesh: outputs.to_local() if isinstance(outputs, DTensor) else outputs,
-        )
-
-
-class ShardedNorm(ParallelStyle):
-    """A norm over the full width of a column-split projection (OLMo-2's q/k norms): its weight is split
-    like the features and the statistic is reduced over ranks by DTensor."""
-
-    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        for pname, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(pname, _distribute(param, mesh, Shard(0)))
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module,
-            device_mesh,
-            self._partition,
-            lambda mod, inputs, mesh: (_to_dtensor(inputs[0], mesh, Shard(-1), Shard(-1)), *inputs[1:]),
-            lambda mod, outputs, mesh: outputs.to_local() if isinstance(outputs, DTensor) else outputs,
-        )
-
-
 def _identity_forward_sum_backward(tensor: Tensor, mesh: DeviceMesh) -> Tensor:
     """Megatron's "f": the same tensor forward, gradients summed over the tensor-parallel ranks."""
     return DTensor.from_local(tensor, mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
@@ -210,20 +151,27 @@ class SplitExperts(ParallelStyle):
     identity-forward / sum-backward, so the router (replicated) receives the full gradient; its output
     is summed over ranks."""
 
-    def __init__(self, params: dict[str, tuple[int, Packing | None]]) -> None:
+    def __init__(self, params: dict[str, tuple[int | None, Packing | None]]) -> None:
         super().__init__()
-        self.params = params  # name -> (split dim, packing)
+        # name -> (split dim, packing); dim None: a bias added to each expert's output (E, H), whole, which the
+        # module sees divided over the ranks, since the output is summed over them (Partial).
+        self.params = params
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, (dim, packing) in self.params.items():
-            module.register_parameter(name, _distribute(getattr(module, name), device_mesh, Shard(dim), packing))
-        names = list(self.params)
-        held: dict[str, Tensor] = {}
+            placement = Replicate() if dim is None else Shard(dim)
+            module.register_parameter(name, _distribute(getattr(module, name), device_mesh, placement, packing))
+        summed = {name for name, (dim, _) in self.params.items() if dim is None}
+        tp = device_mesh.size()
+
+        def local(name: str, p: DTensor) -> Tensor:
+            if name not in summed:
+                return p.to_local()
+            return p.to_local(grad_placements=[Partial()]) / tp  # each rank's share; its gradient summed over ranks
+
+        _local_params_in_forward(module, list(self.params), local)
 
         def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            for name in names:
-                held[name] = mod._parameters[name]  # type: ignore[assignment]
-                mod._parameters[name] = held[name].to_local()  # type: ignore[assignment]
             def f(a: Any) -> Any:  # tokens and routing weights: their gradients are partial per rank
                 floating = isinstance(a, Tensor) and a.is_floating_point()
                 return _identity_forward_sum_backward(a, device_mesh) if floating else a
@@ -231,8 +179,6 @@ class SplitExperts(ParallelStyle):
             return tuple(f(a) for a in args), {k: f(v) for k, v in kwargs.items()}
 
         def after(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            for name in names:
-                mod._parameters[name] = held.pop(name)  # type: ignore[assignment]
             out = _to_dtensor(output, device_mesh, Partial(), Replicate()).to_local()
             # A view returned from an FSDP unit (experts under expert parallelism) loses FSDP's pre-backward hook
             # if the model then updates it in place.
@@ -273,6 +219,24 @@ class HeadSlice(ParallelStyle):
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
+
+
+def _local_params_in_forward(module: nn.Module, names: list[str], local: Any = lambda name, p: p.to_local()) -> None:
+    """The module's code runs on the local tensors (``local(name, param)``) of its DTensor parameters ``names``,
+    swapped in for its forward and back after, so its own code needs no DTensor support."""
+    held: dict[str, Tensor] = {}
+
+    def before(mod: nn.Module, args: tuple) -> None:
+        for name in names:
+            held[name] = mod._parameters[name]  # type: ignore[assignment]
+            mod._parameters[name] = local(name, held[name])  # type: ignore[assignment]
+
+    def after(mod: nn.Module, args: tuple, output: Any) -> None:
+        for name in names:
+            mod._parameters[name] = held.pop(name)  # type: ignore[assignment]
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
 
 
 class PrepareFirstInput(ParallelStyle):
@@ -350,21 +314,3 @@ class GatherFirstOutput(ParallelStyle):
 
         module.register_forward_hook(hook, with_kwargs=True)
         return module
-
-
-def weight_placement(style: ParallelStyle | None, module: nn.Module) -> Placement | None:
-    """How ``style`` places ``module.weight`` (None: unknown), for checking that tied weights agree."""
-    if style is None:
-        return Replicate()
-    if isinstance(style, SplitLinear):
-        return None if style.packing is not None else style.weight_placement(module)
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    if isinstance(module, nn.Embedding) and isinstance(style, (ColwiseParallel, RowwiseParallel)):
-        return Shard(1) if isinstance(style, ColwiseParallel) else Shard(0)
-    if isinstance(module, nn.Linear) and isinstance(style, (ColwiseParallel, RowwiseParallel)):
-        return Shard(0) if isinstance(style, ColwiseParallel) else Shard(1)
-    if isinstance(style, ReplicatedOnShards):
-        return Replicate()
-    return None
-

@@ -208,11 +208,15 @@ def test_parameters_an_mlp_applies_to_its_split_features() -> None:
     style = infer_tp_plan(model, 2).styles["layers.0.mlp.act"]
     assert type(style).__name__ == "ReplicatedOnShards" and style.from_end == 1
     assert style.widths == frozenset({model.layers[0].mlp.down_proj.in_features // 2})
-    # Its own parameters beside the projections of attention (GPT-OSS's per-head sinks): refused with the fix.
+    # Attention's own parameters beside its projections: one value per query head (GPT-OSS's sinks) split by
+    # heads; anything else refused with the fix.
     model = _gpt()
     for layer in model.layers:
         layer.attn.sinks = nn.Parameter(torch.zeros(4))
-    with pytest.raises(ValueError, match=r"'layers.0.attn' holds parameter 'sinks' itself.*pipeline_parallel"):
+    assert type(infer_tp_plan(model, 2).styles["layers.0.attn#own"]).__name__ == "OwnPerHead"
+    for layer in model.layers:
+        layer.attn.sinks = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"'layers.0.attn' holds parameter 'sinks' itself.*not one value per query head.*pipeline_parallel"):
         infer_tp_plan(model, 2)
 
 
@@ -220,7 +224,7 @@ def _call_on_the_whole_input() -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from lightning_llmpar.tensor_parallel.styles import ReplicatedOnShards
+    from lightning_llmpar.tensor_parallel.param_styles import ReplicatedOnShards
 
     act = parallelize_module(_ParamActivation(), init_device_mesh("cpu", (1,)), ReplicatedOnShards(1, frozenset({8})))
     act(torch.randn(2, 8))  # this rank's features
