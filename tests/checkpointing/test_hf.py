@@ -13,7 +13,8 @@ from tests.zoo import fit_cases, logits_of, save_pretrained
 
 pytest.importorskip("transformers")
 
-MODELS = ["llama_tied", "phi3_gqa", "mixtral", "gpt2"]  # tied, fused q/k/v + gate/up, legacy MoE files, Conv1D
+MODELS = ["llama_tied", "phi3_gqa", "mixtral", "gpt2", "gpt_oss"]  # tied, fused q/k/v + gate/up, legacy MoE files, Conv1D,
+# per-head sinks and experts with biases and interleaved gate/up columns
 LAYOUTS = {"tp2": ({"tensor_parallel": 2}, 2), "tp2-pp2": ({"tensor_parallel": 2, "pipeline_parallel": 2}, 4)}
 STEPS, BATCH = 3, 8
 
