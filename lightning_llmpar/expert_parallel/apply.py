@@ -30,7 +30,7 @@ def find_experts(model: nn.Module) -> dict[str, nn.Module]:
     """The experts modules of ``model`` by name: 3-D expert weights, called with tokens, indices and weights."""
     found = {}
     for name, module in model.named_modules():
-        if not fused_experts(module):
+        if not fused_experts(module, biases=True):
             continue
         params = [p for p in inspect.signature(module.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
         if len(params) < 3:

@@ -167,7 +167,10 @@ class SplitExperts(ParallelStyle):
         def local(name: str, p: DTensor) -> Tensor:
             if name not in summed:
                 return p.to_local()
-            return p.to_local(grad_placements=[Partial()]) / tp  # each rank's share; its gradient summed over ranks
+            # Each rank's share; its gradient summed over the tensor-parallel ranks (the dim it is replicated on; an
+            # expert-parallel split in front stays as it is).
+            grads = [Partial() if isinstance(pl, Replicate) else pl for pl in p.placements]
+            return p.to_local(grad_placements=grads) / tp
 
         _local_params_in_forward(module, list(self.params), local)
 

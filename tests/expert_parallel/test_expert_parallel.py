@@ -35,6 +35,7 @@ CASES: dict[int, list[tuple]] = {
         ("gpt_moe", dict(EP2, expert_capacity_factor=0.5), 4, {"tag": "ep2_drops", "reference": False}),
         ("gpt_moe", {"expert_capacity_factor": 4.0}, 4, {"tag": "ep1_capacity"}),  # the cut without the split
         ("qwen2_moe", EP2, 4, {"tag": "ep2"}),  # a shared expert beside the routed ones
+        ("gpt_oss", EP2, 4, {"tag": "ep2"}),  # experts (E, in, out) with biases, interleaved gate/up columns
         # recomputation in backward routes the tokens again (the same way)
         ("gpt_moe", EP2, 4, {"tag": "ep2_checkpointing", "checkpointing": "full"}),
         # LoRA on attention, experts and router frozen: the way MoE models are often fine-tuned
@@ -46,6 +47,7 @@ CASES: dict[int, list[tuple]] = {
     ],
     4: [
         ("mixtral", dict(EP2, tensor_parallel=2), 4, {"tag": "ep2_tp2"}),
+        ("gpt_oss", dict(EP2, tensor_parallel=2), 4, {"tag": "ep2_tp2"}),  # the down bias: its 1/tp share per rank
         ("qwen3_moe", dict(EP2, zero_stage=3), 2, {"tag": "ep2_dp4_zero3"}),  # experts sharded over the other 2
         ("gpt_moe", dict(EP2, pipeline_parallel=2), 4, {"tag": "ep2_pp2"}),
     ],
