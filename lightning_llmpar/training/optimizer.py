@@ -64,7 +64,7 @@ def apply_optimizer_kernels(optimizers: Iterable[Optimizer], module: nn.Module, 
 
 def group_kernels(optimizer: Optimizer) -> list[str]:
     """The kernel each parameter group runs: 'fused', 'fused per tensor kind', 'foreach', 'loop' or 'torch's choice'."""
-    split = getattr(getattr(optimizer, "_llmpar_fused_by_kind", None), "indices", set())
+    split = _split_indices(optimizer)
     names = []
     for index, group in enumerate(optimizer.param_groups):
         if index in split:
@@ -105,7 +105,6 @@ class _FusedByKind:
                 params = [p for p in group["params"] if isinstance(p, DTensor) is sharded]
                 if params:
                     groups.append({**group, "params": params, "fused": True, "foreach": False})
-                _fused_steps(optimizer, params)
         optimizer.param_groups = groups
 
     def restore(self, optimizer: Optimizer, *_: Any) -> None:
@@ -120,19 +119,19 @@ def keep_kernels(optimizers: list[Optimizer]) -> Iterator[None]:
     before = [[(g.get("fused"), g.get("foreach")) for g in opt.param_groups] for opt in optimizers]
     yield
     for optimizer, kernels in zip(optimizers, before):
-        for group, (fused, foreach) in zip(optimizer.param_groups, kernels):
+        split = _split_indices(optimizer)
+        for index, (group, (fused, foreach)) in enumerate(zip(optimizer.param_groups, kernels)):
             if "fused" in group:
                 group["fused"], group["foreach"] = fused, foreach
-            _fused_steps(optimizer, group["params"] if fused else [])
+            for p in group["params"] if fused or index in split else []:
+                state = optimizer.state.get(p, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
 
-def _fused_steps(optimizer: Optimizer, params: list[torch.Tensor]) -> None:
-    """Fused kernels keep the step count as float32 on the parameter's device; the loop's (a checkpoint
-    written by one process) is converted."""
-    for p in params:
-        step = optimizer.state.get(p, {}).get("step")
-        if torch.is_tensor(step) and (step.dtype != torch.float32 or step.device != p.device):
-            optimizer.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
+def _split_indices(optimizer: Optimizer) -> set[int]:
+    """The groups :class:`_FusedByKind` steps per tensor kind."""
+    return getattr(getattr(optimizer, "_llmpar_fused_by_kind", None), "indices", set())
 
 
 def _mixed(params: list[torch.Tensor]) -> bool:
