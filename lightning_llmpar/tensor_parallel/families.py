@@ -17,6 +17,7 @@ from lightning_llmpar.tensor_parallel.packing import Packing
 
 __all__ = [
     "Q", "K", "V", "OUT", "UP", "DOWN", "FUSED_QKV", "FUSED_UP", "HEAD_COUNT_ATTRS", "WIDTH_ATTRS", "WHOLE_ATTENTION",
+    "INTERLEAVED_EXPERTS",
     "FusedLayout", "fused_qkv_layout", "head_slices", "out_features",
 ]
 
@@ -30,6 +31,9 @@ DOWN = {"down_proj", "w2", "fc2", "fc_out", "c_proj", "down", "dense_4h_to_h", "
 FUSED_UP = {"gate_up_proj", "w13", "fc1_gate"}
 # Children that mark an attention tensor parallelism keeps whole (DeepSeek's multi-head latent attention).
 WHOLE_ATTENTION = {"kv_a_proj_with_mqa"}
+# Fused experts whose gate_up columns alternate [g0, u0, g1, u1, ...], for transformers versions that do not mark
+# them (is_concatenated=False).
+INTERLEAVED_EXPERTS = {"GptOssExperts"}
 
 # Attributes an attention module (or its own config) may read to reshape into heads; they hold per-rank
 # counts after TP.

@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor import Replicate
 
+from lightning_llmpar.tensor_parallel import families as fam
 from lightning_llmpar.tensor_parallel.entries import PlanEntry, TPPlan
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.entries import linear_like as _linear_like
@@ -75,7 +76,7 @@ class MoEPlanning:
             # width is then dim 1 of down_proj (E, I, H), dim 2 of gate_up_proj (E, H, 2I). Else told apart by
             # the router's hidden size. Interleaved gate/up columns (is_concatenated=False) split as they are.
             transposed = getattr(module, "is_transposed", down is not None and down.shape[2] == hidden != down.shape[1])
-            concatenated = getattr(module, "is_concatenated", True)
+            concatenated = getattr(module, "is_concatenated", type(module).__name__ not in fam.INTERLEAVED_EXPERTS)
             params = {}
             for pname, p in weights.items():
                 is_down = "down" in pname or pname == "w2"
