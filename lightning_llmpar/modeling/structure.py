@@ -1,4 +1,4 @@
-"""The model convention every technique relies on: a stack of identical blocks inside the model.
+"""The model convention every technique relies on: a stack of blocks inside the model.
 
 Most transformer LMs keep their layers in one ``nn.ModuleList`` (``model.layers``, ``transformer.h``,
 ``blocks``...). We find it by structure, not by name, so a model written elsewhere fits unchanged.
@@ -71,22 +71,38 @@ def mark_block_stack(model: nn.Module, name: str) -> None:
     setattr(stack, MARK, True)
 
 
+def _is_composite(module: nn.Module) -> bool:
+    """A block-like module: it runs (has a forward) and is built of submodules, unlike a Linear or a norm."""
+    return has_forward(module) and any(True for _ in module.children())
+
+
+def _is_stack(module: nn.Module) -> bool:
+    """A ModuleList that can be the block stack: children of one class (a plain transformer, containers included),
+    or composite blocks of a few classes, each repeated (hybrid models interleave attention and state-space layers:
+    Jamba). Requiring repeats keeps a list of distinct sub-models (an encoder and a decoder) from being taken for
+    blocks: the lists inside them are."""
+    if not isinstance(module, nn.ModuleList) or len(module) == 0:
+        return False
+    children = list(module._modules.values())
+    classes = {type(child) for child in children}
+    if len(classes) == 1:
+        return True
+    return len(children) > len(classes) and all(child is not None and _is_composite(child) for child in children)
+
+
 def find_block_stack(model: nn.Module) -> BlockStack | None:
-    """The ModuleList named by the user (``block_stack``), else the ModuleList of same-class modules holding the
+    """The ModuleList named by the user (``block_stack``), else the ModuleList of blocks (``_is_stack``) holding the
     most parameters, or None if there is none."""
     for name, module in model.named_modules():
         if getattr(module, MARK, False):
             return BlockStack(prefix=name, blocks=module)  # type: ignore[arg-type]
     best: tuple[int, str, nn.ModuleList] | None = None
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        classes = {type(child) for child in module._modules.values()}
-        if len(classes) != 1:
+        if not _is_stack(module):
             continue
         size = num_params(module)
         if size > 0 and (best is None or size > best[0]):
-            best = (size, name, module)
+            best = (size, name, module)  # type: ignore[assignment]
     if best is None:
         return None
     return BlockStack(prefix=best[1], blocks=best[2])

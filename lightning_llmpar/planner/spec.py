@@ -60,11 +60,13 @@ def spec_from_module(model: nn.Module, dims: dict[str, Any], fit_model: dict[str
     stack = find_block_stack(model)
     if stack is None:
         raise ValueError(f"{name}: no stack of repeated blocks found; the planner splits models by their blocks.")
-    block = stack.modules()[0]
-    experts = find_experts(block)
-    expert_ids = {id(p) for m in experts.values() for p in m.parameters()}
-    block_params = sum(p.numel() for p in block.parameters())
-    matrix = sum(p.numel() for p in block.parameters() if p.dim() >= 2)
+    blocks = stack.modules()
+    expert_ids = {id(p) for block in blocks for m in find_experts(block).values() for p in m.parameters()}
+
+    def per_block(keep: Any) -> int:  # the mean over the blocks: hybrid stacks mix block classes (Jamba)
+        return round(sum(p.numel() for block in blocks for p in block.parameters() if keep(p)) / len(blocks))
+
+    block_params, matrix = per_block(lambda p: True), per_block(lambda p: p.dim() >= 2)
     in_blocks = {id(p) for b in stack.modules() for p in b.parameters()}
     embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     embed_ids = {id(p) for m in embeds for p in m.parameters()}
@@ -78,7 +80,7 @@ def spec_from_module(model: nn.Module, dims: dict[str, Any], fit_model: dict[str
         ffn_hidden=dims["ffn_hidden"], vocab=dims["vocab"], block_params=block_params, block_matrix_params=matrix,
         embed_params=embed, head_params=head, other_params=sum(p.numel() for p in rest if p.dim() < 2), tied=tied,
         n_expert=dims.get("n_expert", 0), top_k=dims.get("top_k", 1),
-        block_expert_params=sum(p.numel() for p in block.parameters() if id(p) in expert_ids),
+        block_expert_params=per_block(lambda p: id(p) in expert_ids),
         fit_model=fit_model, name=name,
     )
 
