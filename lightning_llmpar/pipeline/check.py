@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from lightning_llmpar.modeling.materialize import has_meta_tensors, materialize
 from lightning_llmpar.modeling.structure import BlockStack
 from lightning_llmpar.modeling.ties import find_tied_weights, retie
-from lightning_llmpar.pipeline.split import _StageBlocks, _StandIn, outside_owners, stage_program
+from lightning_llmpar.pipeline.split import _StandIn, narrow_blocks, outside_owners, stage_program
 from lightning_llmpar.training.quiet import quiet_step
 
 __all__ = ["Reference", "check_split", "checkable", "first_sample", "run_whole"]
@@ -157,9 +157,7 @@ def check_split(
     original_class = type(blocks)
     try:
         reference_loss = reference.loss
-        total = len(blocks)
-        blocks.__class__ = _StageBlocks
-        blocks._llmpar_total, blocks._llmpar_window, blocks._llmpar_entered = total, None, False
+        narrow_blocks(blocks)
         incoming: Tensor | None = None
         last = len(ranges) - 1
         for s, (start, stop) in enumerate(ranges):
@@ -204,6 +202,6 @@ def check_split(
             incoming = value
     finally:
         blocks.__class__ = original_class
-        for attr in ("_llmpar_total", "_llmpar_window", "_llmpar_entered"):
+        for attr in ("_llmpar_total", "_llmpar_passes", "_llmpar_window", "_llmpar_entered"):
             blocks.__dict__.pop(attr, None)
         module.train(was_training)

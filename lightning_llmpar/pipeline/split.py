@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from lightning_llmpar.modeling.structure import BlockStack, first_arg_name, num_params
 from lightning_llmpar.modeling.ties import TiedWeight, split_copies
@@ -28,6 +29,7 @@ __all__ = [
     "stage_finder",
     "stage_program",
     "outside_owners",
+    "narrow_blocks",
 ]
 
 BATCH_KWARG = "llmpar_batch"
@@ -89,14 +91,59 @@ class _StandIn(nn.Module):
         return torch.zeros((), dtype=self.dtype or param.dtype, device=device).expand(param.shape)
 
 
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` on the meta device, made without copying its data."""
+    memo: dict[int, Any] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+    return copy.deepcopy(module, memo)
+
+
 class _PassThrough(nn.Module):
-    """Stands for a block before the current stage's first block: returns its input unchanged."""
+    """Stands for a block before the current stage's first block: returns its input unchanged, in the form the
+    block's output has (a tuple led by it: Bamba's forward unpacks two values from every block), and answers
+    reads of the block's plain attributes (Nemotron-H's forward reads each block's ``block_type``). Both come
+    from a copy of the block on the meta device; its output form is found once, on its first call."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self._meta = [_meta_copy(block)]  # list: not a submodule
+        self._form: tuple | None = None  # () a tensor; else the tuple's items (None where a tensor is)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return args[0] if args else next(iter(kwargs.values()))
+        first = args[0] if args else next(iter(kwargs.values()))
+        if self._form is None:
+            self._form = self._find_form(args, kwargs)
+        return tuple(first if i == 0 else item for i, item in enumerate(self._form)) if self._form else first
+
+    def _find_form(self, args: tuple, kwargs: dict) -> tuple:
+        to_meta = lambda t: t.to("meta") if isinstance(t, Tensor) else t  # noqa: E731
+        try:
+            out = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        except Exception:  # noqa: BLE001 - code the meta device cannot run: take the block for one returning a tensor
+            return ()
+        if not isinstance(out, tuple) or not out or not isinstance(out[0], Tensor):
+            return ()
+        # Other tensors (attention weights when asked for) are not faked: code using them fails loudly.
+        return tuple(None if isinstance(item, Tensor) else item for item in out)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            value = getattr(self._meta[0], name)
+        if isinstance(value, (Tensor, nn.Module)):
+            raise AttributeError(f"{name!r} of a block on another pipeline stage")
+        return value
 
 
-_PASS = _PassThrough()
+def narrow_blocks(blocks: nn.ModuleList) -> None:
+    """Turn ``blocks`` into a ``_StageBlocks`` (before any block is removed: each gets its pass-through)."""
+    passes = [_PassThrough(block) for block in blocks]
+    blocks.__class__ = _StageBlocks
+    blocks._llmpar_total, blocks._llmpar_passes = len(passes), passes  # type: ignore[attr-defined]
+    blocks._llmpar_window, blocks._llmpar_entered = None, False  # type: ignore[attr-defined]
 
 
 class _StageBlocks(nn.ModuleList):
@@ -107,6 +154,7 @@ class _StageBlocks(nn.ModuleList):
     """
 
     _llmpar_total: int
+    _llmpar_passes: list[_PassThrough]
     _llmpar_window: tuple[int, ...] | None
     _llmpar_entered: bool
 
@@ -117,7 +165,7 @@ class _StageBlocks(nn.ModuleList):
         # Blocks before the stage's window run as pass-throughs (their output is replaced by the received
         # activation), so a forward that pairs blocks with per-layer lists by position (enumerate,
         # zip(layer_types, layers)) keeps every block at its own index. Nothing after the window runs.
-        return [self._modules[str(i)] if i in window else _PASS for i in indices if i < window[-1] + 1]
+        return [self._modules[str(i)] if i in window else self._llmpar_passes[i] for i in indices if i < window[-1] + 1]
 
     def __iter__(self):  # type: ignore[override]
         return iter(self._active(range(self._llmpar_total)))
@@ -304,14 +352,10 @@ def split_model(
         else:
             replace_module(model, name, _StandIn(model.get_submodule(name), name, False, blocks))
     keep = {str(i) for s in local for i in range(*layout.block_ranges[s])}
-    total = len(blocks)
+    narrow_blocks(blocks)
     for key in list(blocks._modules):
         if key not in keep:
             del blocks._modules[key]
-    blocks.__class__ = _StageBlocks
-    blocks._llmpar_total = total
-    blocks._llmpar_window = None
-    blocks._llmpar_entered = False
     return parts, swaps
 
 
