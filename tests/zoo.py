@@ -24,7 +24,7 @@ from tests.workloads import kernels
 VOCAB, SEQ, SAMPLES = 64, 16, 64
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=32)
-_NO_SDPA = {"gemma2", "bloom", "gpt_oss"}
+_NO_SDPA = {"gemma2", "bloom", "gpt_oss", "mamba"}
 
 # name -> (config class, overrides); "_tied"/"_untied" suffixes flip tie_word_embeddings.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -61,6 +61,36 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v3": ("DeepseekV3Config", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                          "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
                                          "v_head_dim": 8, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}),
+    # State-space models: Mamba(-1) mixers alone and between attention layers of another class (Jamba), Mamba-2
+    # mixers in hybrids (Bamba's blocks return tuples; Nemotron-H's forward reads each block's type; Falcon-H1
+    # scales in_proj's pieces with a buffer and norms per group; Granite-4 has an ungated-name shared MLP).
+    "mamba": ("MambaConfig", {"state_size": 4, "time_step_rank": 4, "pad_token_id": 0}),
+    "jamba": ("JambaConfig", {"num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 4, "mamba_dt_rank": 4,
+                              "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+                              "expert_layer_offset": 1, "pad_token_id": 0}),
+    "bamba": ("BambaConfig", {"attn_layer_indices": [1, 3], "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_n_groups": 2,
+                              "mamba_d_state": 4, "mamba_chunk_size": 8, "pad_token_id": 0}),
+    "nemotron_h": ("NemotronHConfig", {"layers_block_type": ["mamba", "attention", "mamba", "mlp"], "ssm_state_size": 4,
+                                       "mamba_num_heads": 8, "mamba_head_dim": 8, "n_groups": 2, "head_dim": 8,
+                                       "chunk_size": 8, "pad_token_id": 0}),
+    "falcon_h1": ("FalconH1Config", {"mamba_d_ssm": 64, "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_n_groups": 2,
+                                     "mamba_d_state": 4, "mamba_chunk_size": 8, "head_dim": 8, "pad_token_id": 0}),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", {"layer_types": ["mamba", "attention", "mamba", "attention"],
+                                                    "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_n_groups": 2,
+                                                    "mamba_d_state": 4, "mamba_chunk_size": 8, "num_local_experts": 4,
+                                                    "num_experts_per_tok": 2, "shared_intermediate_size": 64,
+                                                    "pad_token_id": 0}),
+    # Gated delta-rule linear attention between gated attention layers: rows grouped per key head (Qwen3-Next) or
+    # [all q; all k; all v] (Qwen3.5), with MoE layers and shared experts.
+    "qwen3_next": ("Qwen3NextConfig", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                       "shared_expert_intermediate_size": 32, "linear_num_value_heads": 4,
+                                       "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                       "full_attention_interval": 2}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", {"head_dim": 8, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+                                             "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                             "full_attention_interval": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                                             "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                                             "pad_token_id": 0}),
 }
 
 

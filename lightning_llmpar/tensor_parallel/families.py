@@ -18,7 +18,7 @@ from lightning_llmpar.tensor_parallel.packing import Packing
 __all__ = [
     "Q", "K", "V", "OUT", "UP", "DOWN", "FUSED_QKV", "FUSED_UP", "HEAD_COUNT_ATTRS", "WIDTH_ATTRS", "WHOLE_ATTENTION",
     "INTERLEAVED_EXPERTS",
-    "FusedLayout", "fused_qkv_layout", "head_slices", "out_features",
+    "FusedLayout", "fused_qkv_layout", "head_slices", "name_roles", "out_features",
 ]
 
 Q = {"q_proj", "q", "wq", "query", "q_lin", "to_q"}
@@ -27,8 +27,8 @@ V = {"v_proj", "v", "wv", "value", "v_lin", "to_v"}
 OUT = {"o_proj", "out_proj", "wo", "o", "proj", "c_proj", "dense", "out_lin", "to_out"}
 FUSED_QKV = {"qkv", "qkv_proj", "c_attn", "wqkv", "query_key_value", "in_proj", "w_pack"}
 UP = {"up_proj", "gate_proj", "w1", "w3", "fc1", "c_fc", "fc_in", "gate", "up", "dense_h_to_4h", "lin1", "fc_1", "fc_2", "fc"}
-DOWN = {"down_proj", "w2", "fc2", "fc_out", "c_proj", "down", "dense_4h_to_h", "lin2", "proj"}
-FUSED_UP = {"gate_up_proj", "w13", "fc1_gate"}
+DOWN = {"down_proj", "w2", "fc2", "fc_out", "c_proj", "down", "dense_4h_to_h", "lin2", "proj", "output_linear"}
+FUSED_UP = {"gate_up_proj", "w13", "fc1_gate", "input_linear"}
 # Children that mark an attention tensor parallelism keeps whole (DeepSeek's multi-head latent attention).
 WHOLE_ATTENTION = {"kv_a_proj_with_mqa"}
 # Fused experts whose gate_up columns alternate [g0, u0, g1, u1, ...], for transformers versions that do not mark
@@ -48,6 +48,38 @@ WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size", "inner_dim", "n_embd
 def out_features(module: nn.Module) -> int:
     weight = module.weight  # type: ignore[union-attr]
     return weight.shape[1] if type(module).__name__ == "Conv1D" else weight.shape[0]
+
+
+def _in_features(module: nn.Module) -> int:
+    weight = module.weight  # type: ignore[union-attr]
+    return weight.shape[0] if type(module).__name__ == "Conv1D" else weight.shape[1]
+
+
+def name_roles(children: dict[str, nn.Module]) -> dict[str, str]:
+    """Roles of a module's linear children by their names: 'col' / 'qkv' / 'gate_up' / 'row', or none."""
+    lower = {n.lower(): n for n in children}
+    roles: dict[str, str] = {}
+    if lower.keys() & FUSED_QKV or (lower.keys() & Q and lower.keys() & K and lower.keys() & V):
+        for low, n in lower.items():
+            if low in Q | K | V:
+                roles[n] = "col"
+            elif low in FUSED_QKV:
+                roles[n] = "qkv"
+            elif low in OUT:
+                roles[n] = "row"
+    elif (lower.keys() & (UP | FUSED_UP)) and lower.keys() & DOWN:
+        downs = [children[n] for low, n in lower.items() if low in DOWN]
+        for low, n in lower.items():
+            if low in FUSED_UP:
+                # [gate; up] halves only if the down projection reads half of it: an MLP without a gate may
+                # use the name too (Granite's input_linear), and halves split apart would be wrong for it.
+                whole = any(_in_features(d) == out_features(children[n]) for d in downs)
+                roles[n] = "col" if whole else "gate_up"
+            elif low in UP:
+                roles[n] = "col"
+            elif low in DOWN:
+                roles[n] = "row"
+    return roles
 
 
 @dataclass(frozen=True)

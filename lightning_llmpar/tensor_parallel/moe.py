@@ -17,8 +17,7 @@ __all__ = ["MoEPlanning", "fused_experts"]
 
 
 class MoEPlanning:
-    """The MoE part of the planner (mixed into it): needs ``tp``, ``seq``, ``result``, ``_add`` and
-    ``_name_roles`` from it."""
+    """The MoE part of the planner (mixed into it): needs ``tp``, ``seq``, ``result`` and ``_add`` from it."""
 
     tp: int
     seq: bool
@@ -29,15 +28,12 @@ class MoEPlanning:
     def _add(self, name: str, style: PlanEntry, covered: set[str]) -> None:
         raise NotImplementedError
 
-    def _name_roles(self, children: dict[str, nn.Module]) -> dict[str, str]:
-        raise NotImplementedError
-
     def _is_expert_list(self, module: nn.Module) -> bool:
         """A ModuleList of identical MLP modules (LitGPT's LLaMAMoE experts, Megatron-style expert lists)."""
         if not isinstance(module, nn.ModuleList) or len(module) < 2 or len({type(m) for m in module}) != 1:
             return False
         linears = {n: c for n, c in module[0].named_children() if _linear_like(c)}
-        roles = set(self._name_roles(linears).values())
+        roles = set(fam.name_roles(linears).values())
         return bool(roles & {"col", "gate_up"}) and "row" in roles
 
     def _plan_expert_list(self, full: str, moe: nn.Module, expert_list: str, covered: set[str]) -> None:

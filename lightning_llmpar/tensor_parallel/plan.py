@@ -33,6 +33,7 @@ from lightning_llmpar.tensor_parallel.outside import check_ties, plan_outside
 from lightning_llmpar.tensor_parallel.packing import Packing
 from lightning_llmpar.tensor_parallel.param_styles import OwnPerHead, ReplicatedOnShards, ShardedNorm
 from lightning_llmpar.tensor_parallel.shipped import shipped_roles
+from lightning_llmpar.tensor_parallel.ssm import plan_ssm
 from lightning_llmpar.tensor_parallel.styles import (
     TOKEN,
     GatherFirstOutput,
@@ -98,8 +99,8 @@ class _Planner(MoEPlanning):
         stack = find_block_stack(self.model)
         if stack is None and not self.user_plan:
             raise ValueError(
-                f"Could not find a stack of transformer blocks (an nn.ModuleList of identical modules) in"
-                f" {type(self.model).__name__}. Keep the blocks in one nn.ModuleList, or pass an explicit"
+                f"Could not find a stack of transformer blocks (an nn.ModuleList of them) in"
+                f" {type(self.model).__name__}. Name it with block_stack='...', or pass an explicit"
                 f" `tp_plan` mapping module-name patterns to styles {sorted(TP_STYLES)}."
             )
         names = stack.names() if stack is not None else []
@@ -165,27 +166,6 @@ class _Planner(MoEPlanning):
                 if isinstance(sub, nn.Dropout) and not inside:
                     streams[full] = []
 
-    def _name_roles(self, children: dict[str, nn.Module]) -> dict[str, str]:
-        lower = {n.lower(): n for n in children}
-        roles: dict[str, str] = {}
-        if lower.keys() & fam.FUSED_QKV or (lower.keys() & fam.Q and lower.keys() & fam.K and lower.keys() & fam.V):
-            for low, n in lower.items():
-                if low in fam.Q | fam.K | fam.V:
-                    roles[n] = "col"
-                elif low in fam.FUSED_QKV:
-                    roles[n] = "qkv"
-                elif low in fam.OUT:
-                    roles[n] = "row"
-        elif (lower.keys() & (fam.UP | fam.FUSED_UP)) and lower.keys() & fam.DOWN:
-            for low, n in lower.items():
-                if low in fam.FUSED_UP:
-                    roles[n] = "gate_up"
-                elif low in fam.UP:
-                    roles[n] = "col"
-                elif low in fam.DOWN:
-                    roles[n] = "row"
-        return roles
-
     def _plan_region(self, full: str, module: nn.Module, covered: set[str], is_block: bool) -> bool | None:
         """Plan ``module`` if its children form a region; returns whether the region is inline, else None."""
         children = dict(module.named_children())
@@ -205,6 +185,13 @@ class _Planner(MoEPlanning):
                 self.claimed.add(_join(full, n))
                 self.styles[_join(full, n)] = None
             return None
+        if full not in self.claimed and (mixer := plan_ssm(full, module, self.tp, self.seq)) is not None:
+            for name, style in mixer.styles.items():
+                self._add(name, style, covered)
+            self.result.packings.update(mixer.packings)
+            self.result.local_counts.update(mixer.counts)
+            covered.update(_join(full, n) for n, _ in module.named_modules())
+            return False
         experts = [n for n, c in children.items() if self.roles.get(_join(full, n)) == "experts" or fused_experts(c, biases=True)]
         if experts:
             self._plan_moe(full, module, experts, covered)
@@ -215,7 +202,7 @@ class _Planner(MoEPlanning):
             return False
         # An expert, or an MLP beside the experts (a shared expert): the layer combines its output whole.
         in_moe = any(full.startswith(layer + ".") for layer in self._moe_layers)
-        name_roles = self._name_roles({n: c for n, c in children.items() if _linear_like(c)})
+        name_roles = fam.name_roles({n: c for n, c in children.items() if _linear_like(c)})
         roles = {n: r for n, c in children.items() if (r := self._role(_join(full, n), n, c, name_roles))}
         cols = [n for n, r in roles.items() if r in ("col", "qkv", "gate_up")]
         rows = [n for n, r in roles.items() if r == "row"]

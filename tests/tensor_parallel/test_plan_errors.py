@@ -240,3 +240,80 @@ def test_a_parameter_called_on_something_else_than_the_split_features_is_refused
 
     message = run_ranks(_call_on_the_whole_input, 1)[0]
     assert "called on 32 features, not on this rank's share of the MLP's width ([8])" in message, message
+
+
+class _Ungated(nn.Module):
+    """An MLP without a gate whose up projection carries a fused [gate; up] name (Granite's input_linear)."""
+
+    def __init__(self, gated: bool) -> None:
+        super().__init__()
+        self.input_linear = nn.Linear(8, 32)
+        self.output_linear = nn.Linear(16 if gated else 32, 8)
+
+
+def test_fused_up_name_is_split_in_halves_only_when_the_down_projection_reads_half() -> None:
+    from lightning_llmpar.tensor_parallel.families import name_roles
+
+    assert name_roles(dict(_Ungated(gated=True).named_children()))["input_linear"] == "gate_up"
+    # Halves split apart would hand the down projection's rows features of the wrong rank.
+    assert name_roles(dict(_Ungated(gated=False).named_children()))["input_linear"] == "col"
+
+
+def _mamba2(**overrides: object) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4, num_heads=8,
+                                       head_dim=8, chunk_size=8, **overrides)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_state_space_mixers_split_by_heads_and_groups() -> None:
+    plan = infer_tp_plan(_mamba2(n_groups=2), 2)
+    # in_proj packs [gate, x, B, C, dt]; the depthwise conv [x, B, C]: each rank its heads' and groups' share.
+    assert plan.packings["backbone.layers.0.mixer.in_proj.weight"].sizes == (64, 64, 8, 8, 8)
+    assert plan.packings["backbone.layers.0.mixer.conv1d.weight"].sizes == (64, 8, 8)
+    assert plan.local_counts["backbone.layers.0.mixer"] == {"num_heads": 4, "n_groups": 1, "intermediate_size": 32,
+                                                             "conv_dim": 40}
+    # One group of B/C shared by every head cannot follow the heads onto two ranks.
+    with pytest.raises(ValueError, match=r"Mamba mixer 'backbone.layers.0.mixer'.*\{'groups': 1\} not divisible by tensor_parallel\(2\)"):
+        infer_tp_plan(_mamba2(n_groups=1), 2)
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.up_proj(x))
+
+
+class _OtherMlp(_Mlp):
+    pass
+
+
+class _Tower(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Mlp() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _EncoderDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList([_Tower(2), type("_Decoder", (_Tower,), {})(3)])
+
+
+def test_block_stack_of_mixed_classes() -> None:
+    from lightning_llmpar.modeling.structure import find_block_stack
+
+    # Hybrid models interleave block classes (Jamba: attention and Mamba layers), each repeated: one stack.
+    hybrid = nn.Module()
+    hybrid.layers = nn.ModuleList([_Mlp(), _OtherMlp(), _Mlp(), _OtherMlp()])
+    assert find_block_stack(hybrid).prefix == "layers"
+    # Distinct sub-models, one of each class, are not blocks: the biggest list inside them is the stack.
+    assert find_block_stack(_EncoderDecoder()).prefix == "parts.1.layers"

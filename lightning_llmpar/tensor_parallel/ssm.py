@@ -1,0 +1,235 @@
+"""Tensor parallelism for recurrent mixers: selective state-space (Mamba) mixers (Mamba, FalconMamba, Jamba's
+Mamba layers: Mamba-1; Mamba-2 and its hybrids) and gated delta-rule linear attention (Qwen3-Next, Qwen3.5).
+
+A mixer's inner channels play the part of attention heads: each channel (Mamba-2: each head) has its own
+convolution and its own scan, so a rank keeps its share of them in ``in_proj``, ``conv1d`` (depthwise),
+``A_log``, ``D`` and the step-size parameters, and ``out_proj`` splits by rows like an attention's output.
+
+- Mamba-1: ``x_proj`` reads every channel to make the per-token step size and B/C shared by all of them, so
+  it splits by rows, its output is summed over the ranks going forward and, since each rank then uses it
+  for its own channels only, its gradient is summed going back (Megatron's "g" followed by "f").
+  Parameters applied to those shared values (Jamba's norms of dt, B and C) stay whole, gradient summed.
+- Mamba-2: ``in_proj`` packs [gate, x, B, C, dt]; B and C belong to head groups, so with the groups split
+  like the heads (Megatron's rule: groups divisible by the degree) each rank's heads read only its own
+  groups and nothing crosses ranks before ``out_proj``. The gated norm normalizes within a group.
+- Gated delta rule: split by key heads, each with its value heads; nothing crosses ranks before ``out_proj``.
+  The gated norm's weight, one value per feature of a head and shared by all heads, stays whole (gradient summed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_llmpar.tensor_parallel.packing import Packing, to_packed
+from lightning_llmpar.tensor_parallel.styles import (
+    TOKEN,
+    PrepareFirstInput,
+    SplitLinear,
+    _distribute,
+    _identity_forward_sum_backward,
+)
+
+__all__ = ["MixerParams", "SSMPlan", "plan_ssm"]
+
+
+@dataclass
+class SSMPlan:
+    """One mixer's styles (full names), the packed layouts of its parameters (full names, for checkpoints) and
+    the widths its modules' code must see per rank (``counts``: module -> attribute -> value)."""
+
+    styles: dict[str, ParallelStyle] = field(default_factory=dict)
+    packings: dict[str, Packing] = field(default_factory=dict)
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+@dataclass
+class _Layout:
+    cols: dict[str, Packing | None]  # the input projections (column split) -> their pieces, if packed
+    split: dict[str, Packing | None]  # the mixer's own parameters split along dim 0 -> their pieces, if packed
+    counts: dict[str, dict[str, int]]  # relative module name ("": the mixer) -> attribute -> value per rank
+
+
+def _linears(module: nn.Module, *names: str) -> bool:
+    return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+
+
+def _owned(module: nn.Module, name: str) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    holder = module.get_submodule(owner) if owner else module
+    return isinstance(holder._parameters.get(leaf), nn.Parameter)
+
+
+def _join(prefix: str, name: str) -> str:
+    return ".".join(part for part in (prefix, name) if part)
+
+
+def plan_ssm(full: str, module: nn.Module, tp: int, seq: bool) -> SSMPlan | None:
+    """The plan of ``module`` if it is a Mamba or gated-delta mixer (found by its parts' reference names), else None."""
+    conv = getattr(module, "conv1d", None)
+    if not isinstance(conv, nn.Conv1d) or not _owned(module, "A_log") or not _linears(module, "out_proj"):
+        return None
+    mamba1 = _linears(module, "in_proj", "x_proj", "dt_proj")
+    if _linears(module, "in_proj"):
+        layout = _mamba1(full, module, tp) if mamba1 else _mamba2(full, module, tp)
+    elif _linears(module, *_QWEN3_NEXT) or _linears(module, *_QWEN3_5):
+        layout = _gated_delta(full, module, tp)
+    else:
+        return None
+    if conv.groups != conv.in_channels:
+        raise ValueError(f"'{full}' ({type(module).__name__}): its conv1d is not depthwise, so its channels cannot be split.")
+    projections = (*layout.cols, "x_proj", "out_proj")
+    whole = tuple(n for n, _ in module.named_parameters() if n.rpartition(".")[0] not in projections and n not in layout.split)
+    plan = SSMPlan(counts={_join(full, n): c for n, c in layout.counts.items()})
+    plan.styles[f"{full}#in"] = PrepareFirstInput(TOKEN if seq else Replicate(), Replicate())
+    for name, packing in layout.cols.items():
+        plan.styles[f"{full}.{name}"] = SplitLinear("col", packing=packing)
+        for param in ("weight", "bias") if packing is not None else ():
+            if _owned(module, f"{name}.{param}"):
+                plan.packings[f"{full}.{name}.{param}"] = packing
+    if mamba1:
+        plan.styles[f"{full}.x_proj"] = SplitLinear("row", output=Replicate())
+    plan.styles[f"{full}.out_proj"] = SplitLinear("row", output=TOKEN if seq else Replicate())
+    # After x_proj's style: its hook then runs after the split's.
+    plan.styles[f"{full}#params"] = MixerParams(layout.split, whole, _buffers(full, module, layout.cols.get("in_proj")))
+    plan.packings.update({_join(full, n): p for n, p in layout.split.items() if p is not None})
+    return plan
+
+
+def _buffers(full: str, module: nn.Module, packing: Packing | None) -> dict[str, Packing]:
+    """Buffers along in_proj's output (Falcon-H1's per-piece multipliers): cut like it."""
+    if packing is None:
+        return {}
+    buffers = {n: Packing(b.dim() - 1, packing.sizes, packing.tp) for n, b in module.named_buffers(recurse=False)
+               if b.dim() and b.shape[-1] == packing.total}
+    saved = sorted(set(buffers) - module._non_persistent_buffers_set)
+    if saved:  # a rank's slice would be saved as the whole buffer
+        raise ValueError(
+            f"'{full}' ({type(module).__name__}) saves buffer '{saved[0]}' along in_proj's output with its weights;"
+            " tensor parallelism cuts such buffers per rank. Train this model without tensor parallelism."
+        )
+    return buffers
+
+
+def _divisible(full: str, module: nn.Module, tp: int, **counts: int) -> None:
+    bad = {k: v for k, v in counts.items() if v % tp}
+    if bad:
+        raise ValueError(
+            f"Mamba mixer '{full}' ({type(module).__name__}): {bad} not divisible by tensor_parallel({tp}); its"
+            f" channels split with them ({counts}). Choose a degree that divides every count."
+        )
+
+
+def _mamba1(full: str, module: nn.Module, tp: int) -> _Layout:
+    width = module.x_proj.in_features
+    _divisible(full, module, tp, inner_channels=width)
+    names = ("A_log", "D", "conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias")
+    return _Layout({"in_proj": Packing(0, (width, width), tp)}, {n: None for n in names if _owned(module, n)},
+                   {"": {"intermediate_size": width // tp}})
+
+
+def _mamba2(full: str, module: nn.Module, tp: int) -> _Layout:
+    heads, groups, state = (getattr(module, a, None) for a in ("num_heads", "n_groups", "ssm_state_size"))
+    width = module.out_proj.in_features
+    if not all(isinstance(v, int) for v in (heads, groups, state)):
+        raise ValueError(
+            f"'{full}' ({type(module).__name__}) is a state-space mixer of a layout tensor parallelism does not know"
+            " (Mamba-1: x_proj and dt_proj; Mamba-2: num_heads, n_groups and ssm_state_size). Train it"
+            " with pipeline_parallel and/or zero_stage, which take it as it is, or without tensor parallelism."
+        )
+    _divisible(full, module, tp, heads=heads, groups=groups)
+    grouped = groups * state
+    conv = Packing(0, (width, grouped, grouped), tp)  # [x; B; C]
+    split: dict[str, Packing | None] = {"conv1d.weight": conv, "conv1d.bias": conv, "norm.weight": None}
+    split |= {n: None for n in ("A_log", "D", "dt_bias")}  # one value per head
+    counts = {"": {"num_heads": heads // tp, "n_groups": groups // tp, "intermediate_size": width // tp,
+                   "conv_dim": (width + 2 * grouped) // tp}}
+    norm = getattr(module, "norm", None)
+    if isinstance(getattr(norm, "n_groups", None), int):
+        counts["norm"] = {"n_groups": groups // tp}  # a gated norm that reads its own group count (Falcon-H1)
+    split = {n: p for n, p in split.items() if _owned(module, n)}
+    return _Layout({"in_proj": Packing(0, (width, width, grouped, grouped, heads), tp)}, split, counts)  # [gate; x; B; C; dt]
+
+
+_QWEN3_NEXT = ("in_proj_qkvz", "in_proj_ba")  # rows grouped per key head: [q, k, v, z] and [b, a] of each
+_QWEN3_5 = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # [all q; all k; all v], then one per value head
+
+
+def _gated_delta(full: str, module: nn.Module, tp: int) -> _Layout:
+    """Gated delta-rule linear attention (Qwen3-Next, Qwen3.5): split by key heads, each with its value heads."""
+    counts = {a: getattr(module, a, None) for a in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")}
+    if not all(isinstance(v, int) for v in counts.values()):
+        raise ValueError(
+            f"'{full}' ({type(module).__name__}) is a gated delta-rule mixer without the head counts tensor parallelism"
+            f" splits it by ({sorted(counts)}). Train it with pipeline_parallel and/or zero_stage, or without tensor"
+            " parallelism."
+        )
+    k_heads, v_heads = counts["num_k_heads"], counts["num_v_heads"]
+    _divisible(full, module, tp, key_heads=k_heads, value_heads=v_heads)
+    key, value = k_heads * counts["head_k_dim"], v_heads * counts["head_v_dim"]
+    qkv = Packing(0, (key, key, value), tp)
+    if _linears(module, *_QWEN3_NEXT):
+        cols: dict[str, Packing | None] = {n: None for n in _QWEN3_NEXT}  # a plain split keeps whole key-head groups
+    else:
+        cols = {"in_proj_qkv": qkv} | {n: None for n in _QWEN3_5[1:]}
+    split: dict[str, Packing | None] = {"conv1d.weight": qkv, "conv1d.bias": qkv, "A_log": None, "dt_bias": None}
+    local = {"num_k_heads": k_heads // tp, "num_v_heads": v_heads // tp, "key_dim": key // tp, "value_dim": value // tp,
+             "conv_dim": (2 * key + value) // tp}
+    # The gated norm's weight is per head dim, shared by every head: whole, gradient summed (MixerParams).
+    return _Layout(cols, {n: p for n, p in split.items() if _owned(module, n)}, {"": local})
+
+
+class MixerParams(ParallelStyle):
+    """A mixer's own parameters: ``split`` along dim 0 (name -> packing of its pieces, or None), ``whole`` applied
+    to values every rank shares (gradient summed). The mixer's code runs on their local tensors. ``x_proj``'s
+    output, when it has one, is shared by every rank's channels: its gradient is summed."""
+
+    def __init__(self, split: dict[str, Packing | None], whole: tuple[str, ...], buffers: dict[str, Packing]) -> None:
+        super().__init__()
+        self.split, self.whole, self.buffers = split, whole, buffers
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        owners: dict[str, tuple[nn.Module, str]] = {}
+        for name in (*self.split, *self.whole):
+            owner, _, leaf = name.rpartition(".")
+            holder = module.get_submodule(owner) if owner else module
+            placement = Shard(0) if name in self.split else Replicate()
+            holder.register_parameter(leaf, _distribute(holder._parameters[leaf], device_mesh, placement, self.split.get(name)))
+            owners[name] = (holder, leaf)
+        rank = device_mesh.get_local_rank()
+        for name, packing in self.buffers.items():  # replicated values: each rank keeps its slice
+            packed = to_packed(module._buffers[name], packing)  # type: ignore[arg-type]
+            module._buffers[name] = packed.chunk(packing.tp, packing.dim)[rank].contiguous()
+        held: dict[str, Any] = {}
+        calls: list[bool] = []
+
+        def before(mod: nn.Module, args: tuple) -> None:
+            calls.clear()
+            for name, (holder, leaf) in owners.items():
+                param: DTensor = holder._parameters[leaf]  # type: ignore[assignment]
+                held[name] = param
+                holder._parameters[leaf] = param.to_local(grad_placements=(Partial(),) if name in self.whole else None)
+
+        def after(mod: nn.Module, args: tuple, output: Any) -> None:
+            for name, (holder, leaf) in owners.items():
+                holder._parameters[leaf] = held.pop(name)
+            if not calls:
+                # A fused kernel (mamba_ssm's) computed the mixer without calling out_proj: the split's reductions
+                # never ran, so its output would be wrong.
+                raise RuntimeError(
+                    f"{type(mod).__name__} ran a fused kernel that bypasses tensor parallelism's split of its"
+                    " projections. Uninstall mamba_ssm (the PyTorch path is split exactly), or train this model"
+                    " without tensor parallelism."
+                )
+
+        module.get_submodule("out_proj").register_forward_hook(lambda *_: calls.append(True))
+        if isinstance(getattr(module, "x_proj", None), nn.Module):
+            module.x_proj.register_forward_hook(lambda _m, _a, out: _identity_forward_sum_backward(out, device_mesh))
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
+        return module
