@@ -80,8 +80,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                                     "mamba_d_state": 4, "mamba_chunk_size": 8, "num_local_experts": 4,
                                                     "num_experts_per_tok": 2, "shared_intermediate_size": 64,
                                                     "pad_token_id": 0}),
-    # Gated delta-rule linear attention between gated attention layers: rows grouped per key head (Qwen3-Next) or
-    # [all q; all k; all v] (Qwen3.5), with MoE layers and shared experts.
+    # Gated delta-rule linear attention between attention layers: rows grouped per key head (Qwen3-Next),
+    # [all q; all k; all v] (Qwen3.5, with MoE layers and shared experts) or separate q/k/v/a/b/g projections
+    # (OLMo-Hybrid).
     "qwen3_next": ("Qwen3NextConfig", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                        "shared_expert_intermediate_size": 32, "linear_num_value_heads": 4,
                                        "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
@@ -91,6 +92,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                              "full_attention_interval": 2, "num_experts": 4, "num_experts_per_tok": 2,
                                              "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
                                              "pad_token_id": 0}),
+    "olmo_hybrid": ("OlmoHybridConfig", {"layer_types": ["linear_attention", "full_attention"] * 2, "linear_num_key_heads": 2,
+                                         "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                         "pad_token_id": 0}),
 }
 
 

@@ -72,18 +72,19 @@ def _join(prefix: str, name: str) -> str:
 def plan_ssm(full: str, module: nn.Module, tp: int, seq: bool) -> SSMPlan | None:
     """The plan of ``module`` if it is a Mamba or gated-delta mixer (found by its parts' reference names), else None."""
     conv = getattr(module, "conv1d", None)
-    if not isinstance(conv, nn.Conv1d) or not _owned(module, "A_log") or not _linears(module, "out_proj"):
+    out = next((n for n in ("out_proj", "o_proj") if _linears(module, n)), None)
+    if not isinstance(conv, nn.Conv1d) or not _owned(module, "A_log") or out is None:
         return None
     mamba1 = _linears(module, "in_proj", "x_proj", "dt_proj")
-    if _linears(module, "in_proj"):
+    if _linears(module, "in_proj") and out == "out_proj":
         layout = _mamba1(full, module, tp) if mamba1 else _mamba2(full, module, tp)
-    elif _linears(module, *_QWEN3_NEXT) or _linears(module, *_QWEN3_5):
-        layout = _gated_delta(full, module, tp)
+    elif all(isinstance(getattr(module, a, None), int) for a in _GATED_DELTA_COUNTS):
+        layout = _gated_delta(full, module, tp, out)
     else:
         return None
     if conv.groups != conv.in_channels:
         raise ValueError(f"'{full}' ({type(module).__name__}): its conv1d is not depthwise, so its channels cannot be split.")
-    projections = (*layout.cols, "x_proj", "out_proj")
+    projections = (*layout.cols, "x_proj", out)
     whole = tuple(n for n, _ in module.named_parameters() if n.rpartition(".")[0] not in projections and n not in layout.split)
     plan = SSMPlan(counts={_join(full, n): c for n, c in layout.counts.items()})
     plan.styles[f"{full}#in"] = PrepareFirstInput(TOKEN if seq else Replicate(), Replicate())
@@ -94,9 +95,10 @@ def plan_ssm(full: str, module: nn.Module, tp: int, seq: bool) -> SSMPlan | None
                 plan.packings[f"{full}.{name}.{param}"] = packing
     if mamba1:
         plan.styles[f"{full}.x_proj"] = SplitLinear("row", output=Replicate())
-    plan.styles[f"{full}.out_proj"] = SplitLinear("row", output=TOKEN if seq else Replicate())
+    plan.styles[f"{full}.{out}"] = SplitLinear("row", output=TOKEN if seq else Replicate())
     # After x_proj's style: its hook then runs after the split's.
-    plan.styles[f"{full}#params"] = MixerParams(layout.split, whole, _buffers(full, module, layout.cols.get("in_proj")))
+    buffers = _buffers(full, module, layout.cols.get("in_proj"))
+    plan.styles[f"{full}#params"] = MixerParams(layout.split, whole, buffers, out)
     plan.packings.update({_join(full, n): p for n, p in layout.split.items() if p is not None})
     return plan
 
@@ -156,27 +158,31 @@ def _mamba2(full: str, module: nn.Module, tp: int) -> _Layout:
     return _Layout({"in_proj": Packing(0, (width, width, grouped, grouped, heads), tp)}, split, counts)  # [gate; x; B; C; dt]
 
 
-_QWEN3_NEXT = ("in_proj_qkvz", "in_proj_ba")  # rows grouped per key head: [q, k, v, z] and [b, a] of each
-_QWEN3_5 = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # [all q; all k; all v], then one per value head
+_GATED_DELTA_COUNTS = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
+# Input projections of gated delta-rule mixers by name, all split by heads: Qwen3-Next's rows grouped per key head
+# ([q, k, v, z] and [b, a] of each), Qwen3.5's in_proj_qkv [all q; all k; all v] (packed below), one per value
+# head or per value feature otherwise; OLMo-Hybrid's separate q/k/v/a/b/g projections.
+_GATED_DELTA_INPUTS = {"in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "q_proj",
+                       "k_proj", "v_proj", "a_proj", "b_proj", "g_proj"}
 
 
-def _gated_delta(full: str, module: nn.Module, tp: int) -> _Layout:
-    """Gated delta-rule linear attention (Qwen3-Next, Qwen3.5): split by key heads, each with its value heads."""
-    counts = {a: getattr(module, a, None) for a in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")}
-    if not all(isinstance(v, int) for v in counts.values()):
+def _gated_delta(full: str, module: nn.Module, tp: int, out: str) -> _Layout:
+    """Gated delta-rule linear attention (Qwen3-Next, Qwen3.5, OLMo-Hybrid): split by key heads, each with its value
+    heads."""
+    counts = {a: getattr(module, a) for a in _GATED_DELTA_COUNTS}
+    linears = [n for n, c in module.named_children() if isinstance(c, nn.Linear) and n != out]
+    unknown = [n for n in linears if n not in _GATED_DELTA_INPUTS]
+    if unknown:  # a low-rank gate (Kimi's g_a_proj -> g_b_proj) is not split by heads
         raise ValueError(
-            f"'{full}' ({type(module).__name__}) is a gated delta-rule mixer without the head counts tensor parallelism"
-            f" splits it by ({sorted(counts)}). Train it with pipeline_parallel and/or zero_stage, or without tensor"
-            " parallelism."
+            f"'{full}' ({type(module).__name__}) is a gated delta-rule mixer with projection '{unknown[0]}' that tensor"
+            " parallelism cannot split by heads. Train this model with pipeline_parallel and/or zero_stage, which take"
+            " it as it is, or without tensor parallelism."
         )
     k_heads, v_heads = counts["num_k_heads"], counts["num_v_heads"]
     _divisible(full, module, tp, key_heads=k_heads, value_heads=v_heads)
     key, value = k_heads * counts["head_k_dim"], v_heads * counts["head_v_dim"]
     qkv = Packing(0, (key, key, value), tp)
-    if _linears(module, *_QWEN3_NEXT):
-        cols: dict[str, Packing | None] = {n: None for n in _QWEN3_NEXT}  # a plain split keeps whole key-head groups
-    else:
-        cols = {"in_proj_qkv": qkv} | {n: None for n in _QWEN3_5[1:]}
+    cols: dict[str, Packing | None] = {n: qkv if n == "in_proj_qkv" else None for n in linears}
     split: dict[str, Packing | None] = {"conv1d.weight": qkv, "conv1d.bias": qkv, "A_log": None, "dt_bias": None}
     local = {"num_k_heads": k_heads // tp, "num_v_heads": v_heads // tp, "key_dim": key // tp, "value_dim": value // tp,
              "conv_dim": (2 * key + value) // tp}
@@ -189,9 +195,11 @@ class MixerParams(ParallelStyle):
     to values every rank shares (gradient summed). The mixer's code runs on their local tensors. ``x_proj``'s
     output, when it has one, is shared by every rank's channels: its gradient is summed."""
 
-    def __init__(self, split: dict[str, Packing | None], whole: tuple[str, ...], buffers: dict[str, Packing]) -> None:
+    def __init__(
+        self, split: dict[str, Packing | None], whole: tuple[str, ...], buffers: dict[str, Packing], out: str
+    ) -> None:
         super().__init__()
-        self.split, self.whole, self.buffers = split, whole, buffers
+        self.split, self.whole, self.buffers, self.out = split, whole, buffers, out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         owners: dict[str, tuple[nn.Module, str]] = {}
@@ -219,7 +227,7 @@ class MixerParams(ParallelStyle):
             for name, (holder, leaf) in owners.items():
                 holder._parameters[leaf] = held.pop(name)
             if not calls:
-                # A fused kernel (mamba_ssm's) computed the mixer without calling out_proj: the split's reductions
+                # A fused kernel (mamba_ssm's) computed the mixer without its output projection: the split's reductions
                 # never ran, so its output would be wrong.
                 raise RuntimeError(
                     f"{type(mod).__name__} ran a fused kernel that bypasses tensor parallelism's split of its"
@@ -227,7 +235,7 @@ class MixerParams(ParallelStyle):
                     " without tensor parallelism."
                 )
 
-        module.get_submodule("out_proj").register_forward_hook(lambda *_: calls.append(True))
+        module.get_submodule(self.out).register_forward_hook(lambda *_: calls.append(True))
         if isinstance(getattr(module, "x_proj", None), nn.Module):
             module.x_proj.register_forward_hook(lambda _m, _a, out: _identity_forward_sum_backward(out, device_mesh))
         module.register_forward_pre_hook(before)

@@ -317,3 +317,29 @@ def test_block_stack_of_mixed_classes() -> None:
     assert find_block_stack(hybrid).prefix == "layers"
     # Distinct sub-models, one of each class, are not blocks: the biggest list inside them is the stack.
     assert find_block_stack(_EncoderDecoder()).prefix == "parts.1.layers"
+
+
+class _DeltaMixer(nn.Module):
+    """A gated delta-rule mixer by its parts' names, with a low-rank gate shared by every head (as Kimi's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_k_heads = self.num_v_heads = 2
+        self.head_k_dim = self.head_v_dim = 4
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(8, 8, bias=False) for _ in range(3))
+        self.conv1d = nn.Conv1d(24, 24, 4, groups=24, bias=False)
+        self.A_log, self.dt_bias = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+        self.g_a_proj, self.g_b_proj = nn.Linear(8, 4, bias=False), nn.Linear(4, 8, bias=False)
+        self.o_proj = nn.Linear(8, 8, bias=False)
+
+
+def test_a_delta_rule_mixer_with_a_projection_not_split_by_heads_is_refused() -> None:
+    model = nn.Module()
+    model.layers = nn.ModuleList(_DeltaMixer() for _ in range(2))
+    with pytest.raises(ValueError, match=r"'layers.0' \(_DeltaMixer\).*projection 'g_a_proj' that tensor parallelism cannot split by heads"):
+        infer_tp_plan(model, 2)
+    for layer in model.layers:
+        del layer.g_a_proj, layer.g_b_proj
+    plan = infer_tp_plan(model, 2)  # q/k/v by heads, the convolution over [q; k; v] per piece
+    assert plan.packings["layers.0.conv1d.weight"].sizes == (8, 8, 8)
+    assert plan.local_counts["layers.0"]["num_v_heads"] == 1
