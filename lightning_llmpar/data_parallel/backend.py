@@ -173,7 +173,7 @@ class FSDP2Backend(ShardingBackend):
         module._llmpar_parallelized = (s.layout, self.runner, self.parallelized, self.compression)
         # Weights built on the meta device get memory now, for this rank's shards only (ties as they stand
         # after sharding: to_empty gives every name its own memory).
-        materialize(module, s.root_device, find_tied_weights(module))
+        materialize(module, s.root_device, find_tied_weights(module), self.parallelized.packings)
         if options.hf_checkpoint is not None:
             load_hf_checkpoint(module, options.hf_checkpoint, self.parallelized.packings, self.aliases())
         if options.litgpt_checkpoint is not None:

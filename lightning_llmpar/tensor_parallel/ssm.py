@@ -97,25 +97,18 @@ def plan_ssm(full: str, module: nn.Module, tp: int, seq: bool) -> SSMPlan | None
         plan.styles[f"{full}.x_proj"] = SplitLinear("row", output=Replicate())
     plan.styles[f"{full}.{out}"] = SplitLinear("row", output=TOKEN if seq else Replicate())
     # After x_proj's style: its hook then runs after the split's.
-    buffers = _buffers(full, module, layout.cols.get("in_proj"))
+    buffers = _buffers(module, layout.cols.get("in_proj"))
     plan.styles[f"{full}#params"] = MixerParams(layout.split, whole, buffers, out)
     plan.packings.update({_join(full, n): p for n, p in layout.split.items() if p is not None})
     return plan
 
 
-def _buffers(full: str, module: nn.Module, packing: Packing | None) -> dict[str, Packing]:
-    """Buffers along in_proj's output (Falcon-H1's per-piece multipliers): cut like it."""
+def _buffers(module: nn.Module, packing: Packing | None) -> dict[str, Packing]:
+    """Buffers along in_proj's output (Falcon-H1's per-piece multipliers): the mixer's code sees them cut like it."""
     if packing is None:
         return {}
-    buffers = {n: Packing(b.dim() - 1, packing.sizes, packing.tp) for n, b in module.named_buffers(recurse=False)
-               if b.dim() and b.shape[-1] == packing.total}
-    saved = sorted(set(buffers) - module._non_persistent_buffers_set)
-    if saved:  # a rank's slice would be saved as the whole buffer
-        raise ValueError(
-            f"'{full}' ({type(module).__name__}) saves buffer '{saved[0]}' along in_proj's output with its weights;"
-            " tensor parallelism cuts such buffers per rank. Train this model without tensor parallelism."
-        )
-    return buffers
+    return {n: Packing(b.dim() - 1, packing.sizes, packing.tp) for n, b in module.named_buffers(recurse=False)
+            if b.dim() and b.shape[-1] == packing.total}
 
 
 def _divisible(full: str, module: nn.Module, tp: int, **counts: int) -> None:
@@ -210,9 +203,6 @@ class MixerParams(ParallelStyle):
             holder.register_parameter(leaf, _distribute(holder._parameters[leaf], device_mesh, placement, self.split.get(name)))
             owners[name] = (holder, leaf)
         rank = device_mesh.get_local_rank()
-        for name, packing in self.buffers.items():  # replicated values: each rank keeps its slice
-            packed = to_packed(module._buffers[name], packing)  # type: ignore[arg-type]
-            module._buffers[name] = packed.chunk(packing.tp, packing.dim)[rank].contiguous()
         held: dict[str, Any] = {}
         calls: list[bool] = []
 
@@ -222,10 +212,16 @@ class MixerParams(ParallelStyle):
                 param: DTensor = holder._parameters[leaf]  # type: ignore[assignment]
                 held[name] = param
                 holder._parameters[leaf] = param.to_local(grad_placements=(Partial(),) if name in self.whole else None)
+            for name, packing in self.buffers.items():
+                # Whole buffers stay in the module (initialized, saved and loaded whole); its code sees this rank's cut.
+                held[name] = whole = mod._buffers[name]
+                mod._buffers[name] = to_packed(whole, packing).chunk(packing.tp, packing.dim)[rank]  # type: ignore[arg-type]
 
         def after(mod: nn.Module, args: tuple, output: Any) -> None:
             for name, (holder, leaf) in owners.items():
                 holder._parameters[leaf] = held.pop(name)
+            for name in self.buffers:
+                mod._buffers[name] = held.pop(name)
             if not calls:
                 # A fused kernel (mamba_ssm's) computed the mixer without its output projection: the split's reductions
                 # never ran, so its output would be wrong.
