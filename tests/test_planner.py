@@ -53,6 +53,18 @@ def test_spec_counts_the_parameters_of_the_real_models(tmp_path: Path) -> None:
     assert (spec.n_expert, spec.top_k, spec.ffn_hidden) == (4, 2, 16)
     assert spec.block_expert_params == 4 * 3 * 32 * 16  # gate, up and down of each expert
     assert model_spec(ROOT / "examples/configs/3d.yaml").n_layer == 8  # a llmpar fit config's model section
+    # A hybrid stack (Jamba: attention and Mamba layers of two classes) is counted whole, as its mean block.
+    from transformers import JambaConfig, MambaConfig
+
+    hybrid = JambaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, mamba_d_state=4, mamba_dt_rank=4,
+                         attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1)
+    hybrid.save_pretrained(tmp_path / "jamba")
+    spec = model_spec(tmp_path / "jamba")
+    assert spec.params == _numel(AutoModelForCausalLM.from_config(hybrid)) and spec.n_layer == 4
+    MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2).save_pretrained(tmp_path / "mamba")
+    with pytest.raises(ValueError, match=r"mamba has no attention heads.*Choose a layout by hand"):
+        model_spec(tmp_path / "mamba")
 
 
 def test_memory_terms_move_the_way_each_technique_moves_them() -> None:

@@ -107,7 +107,12 @@ def _hf(directory: Path) -> ModelSpec:
     model = module.model
     config = model.config
     text = getattr(config, "text_config", None) or config
-    n_head = text.num_attention_heads
+    n_head = getattr(text, "num_attention_heads", None)
+    if not n_head:
+        raise ValueError(
+            f"{directory}: {config.model_type} has no attention heads (num_attention_heads); the planner's activation"
+            " and step-time models are those of attention transformers. Choose a layout by hand (docs/layouts.md)."
+        )
     n_expert = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 0
     ffn = getattr(text, "moe_intermediate_size", None) if n_expert else None
     dims = {"hidden": text.hidden_size, "n_head": n_head,
