@@ -1,5 +1,6 @@
 """Tensor parallelism for recurrent mixers: selective state-space (Mamba) mixers (Mamba, FalconMamba, Jamba's
-Mamba layers: Mamba-1; Mamba-2 and its hybrids) and gated delta-rule linear attention (Qwen3-Next, Qwen3.5).
+Mamba layers: Mamba-1; Mamba-2 and its hybrids) and gated delta-rule linear attention (Qwen3-Next, Qwen3.5,
+OLMo-Hybrid).
 
 A mixer's inner channels play the part of attention heads: each channel (Mamba-2: each head) has its own
 convolution and its own scan, so a rank keeps its share of them in ``in_proj``, ``conv1d`` (depthwise),
@@ -115,8 +116,8 @@ def _divisible(full: str, module: nn.Module, tp: int, **counts: int) -> None:
     bad = {k: v for k, v in counts.items() if v % tp}
     if bad:
         raise ValueError(
-            f"Mamba mixer '{full}' ({type(module).__name__}): {bad} not divisible by tensor_parallel({tp}); its"
-            f" channels split with them ({counts}). Choose a degree that divides every count."
+            f"Mixer '{full}' ({type(module).__name__}): {bad} not divisible by tensor_parallel({tp}); its channels"
+            f" split with them ({counts}). Choose a degree that divides every count."
         )
 
 

@@ -274,7 +274,7 @@ def test_state_space_mixers_split_by_heads_and_groups() -> None:
     assert plan.local_counts["backbone.layers.0.mixer"] == {"num_heads": 4, "n_groups": 1, "intermediate_size": 32,
                                                              "conv_dim": 40}
     # One group of B/C shared by every head cannot follow the heads onto two ranks.
-    with pytest.raises(ValueError, match=r"Mamba mixer 'backbone.layers.0.mixer'.*\{'groups': 1\} not divisible by tensor_parallel\(2\)"):
+    with pytest.raises(ValueError, match=r"Mixer 'backbone.layers.0.mixer'.*\{'groups': 1\} not divisible by tensor_parallel\(2\)"):
         infer_tp_plan(_mamba2(n_groups=1), 2)
 
 
