@@ -92,6 +92,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                              "full_attention_interval": 2, "num_experts": 4, "num_experts_per_tok": 2,
                                              "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
                                              "pad_token_id": 0}),
+    "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"] * 2, "pad_token_id": 0}),  # gated short convolutions
     "olmo_hybrid": ("OlmoHybridConfig", {"layer_types": ["linear_attention", "full_attention"] * 2, "linear_num_key_heads": 2,
                                          "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
                                          "pad_token_id": 0}),

@@ -19,7 +19,7 @@ from lightning_llmpar.context_parallel.attention import context_parallel_attenti
 from lightning_llmpar.context_parallel.hf import prepare_hf_attention
 from lightning_llmpar.context_parallel.sequence import IGNORE_INDEX, SequenceShard, shard_batch
 
-__all__ = ["ContextParallel", "apply_context_parallel"]
+__all__ = ["ContextParallel", "apply_context_parallel", "check_sequence_mixers"]
 
 
 def _takes(module: nn.Module, name: str) -> int | None:
@@ -29,6 +29,20 @@ def _takes(module: nn.Module, name: str) -> int | None:
     except (TypeError, ValueError):
         return None
     return params.index(name) if name in params else None
+
+
+def check_sequence_mixers(module: nn.Module) -> None:
+    """Refuse a model that mixes tokens along the sequence outside attention: a convolution over it (Mamba's,
+    LFM2's short convolution) or a recurrent scan (a module holding its state's decay, ``A_log``: Mamba, gated delta
+    rule). Ring and Ulysses attention carry neither across ranks, so each rank's part would start from nothing."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.Conv1d) or isinstance(sub._parameters.get("A_log"), nn.Parameter):
+            raise ValueError(
+                f"context_parallel gives each rank part of every sequence, but '{name}' ({type(sub).__name__}) mixes"
+                " tokens along the sequence outside attention (a convolution or a recurrent scan, as Mamba and"
+                " linear-attention layers do), and would not see the tokens before its rank's part: wrong results."
+                " Use context_parallel=1 for this model; tensor, pipeline and data parallelism take it."
+            )
 
 
 class ContextParallel:
@@ -52,6 +66,7 @@ class ContextParallel:
 
     def prepare(self, module: nn.Module) -> None:
         """Find where positions enter, switch transformers models to mask-free causal attention, patch SDPA."""
+        check_sequence_mixers(module)
         target = next((m for m in module.modules() if _takes(m, "position_ids") is not None), None)
         if target is None:
             raise ValueError(

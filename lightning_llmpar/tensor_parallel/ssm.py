@@ -1,6 +1,6 @@
-"""Tensor parallelism for recurrent mixers: selective state-space (Mamba) mixers (Mamba, FalconMamba, Jamba's
-Mamba layers: Mamba-1; Mamba-2 and its hybrids) and gated delta-rule linear attention (Qwen3-Next, Qwen3.5,
-OLMo-Hybrid).
+"""Tensor parallelism for recurrent and convolutional mixers: selective state-space (Mamba) mixers (Mamba,
+FalconMamba, Jamba's Mamba layers: Mamba-1; Mamba-2 and its hybrids), gated delta-rule linear attention (Qwen3-Next,
+Qwen3.5, OLMo-Hybrid) and gated short convolutions (LFM2).
 
 A mixer's inner channels play the part of attention heads: each channel (Mamba-2: each head) has its own
 convolution and its own scan, so a rank keeps its share of them in ``in_proj``, ``conv1d`` (depthwise),
@@ -15,6 +15,7 @@ convolution and its own scan, so a rank keeps its share of them in ``in_proj``, 
   groups and nothing crosses ranks before ``out_proj``. The gated norm normalizes within a group.
 - Gated delta rule: split by key heads, each with its value heads; nothing crosses ranks before ``out_proj``.
   The gated norm's weight, one value per feature of a head and shared by all heads, stays whole (gradient summed).
+- Short convolution: in_proj's [B; C; x] and the depthwise convolution split by channels.
 """
 
 from __future__ import annotations
@@ -72,12 +73,16 @@ def _join(prefix: str, name: str) -> str:
 
 def plan_ssm(full: str, module: nn.Module, tp: int, seq: bool) -> SSMPlan | None:
     """The plan of ``module`` if it is a Mamba or gated-delta mixer (found by its parts' reference names), else None."""
-    conv = getattr(module, "conv1d", None)
+    conv = next((c for n in ("conv1d", "conv") if isinstance(c := getattr(module, n, None), nn.Conv1d)), None)
     out = next((n for n in ("out_proj", "o_proj") if _linears(module, n)), None)
-    if not isinstance(conv, nn.Conv1d) or not _owned(module, "A_log") or out is None:
+    if conv is None or out is None:
         return None
     mamba1 = _linears(module, "in_proj", "x_proj", "dt_proj")
-    if _linears(module, "in_proj") and out == "out_proj":
+    if not _owned(module, "A_log"):
+        if not _linears(module, "in_proj") or module.in_proj.out_features != 3 * conv.in_channels:
+            return None
+        layout = _short_conv(full, module, tp)
+    elif _linears(module, "in_proj") and out == "out_proj":
         layout = _mamba1(full, module, tp) if mamba1 else _mamba2(full, module, tp)
     elif all(isinstance(getattr(module, a, None), int) for a in _GATED_DELTA_COUNTS):
         layout = _gated_delta(full, module, tp, out)
@@ -119,6 +124,14 @@ def _divisible(full: str, module: nn.Module, tp: int, **counts: int) -> None:
             f"Mixer '{full}' ({type(module).__name__}): {bad} not divisible by tensor_parallel({tp}); its channels"
             f" split with them ({counts}). Choose a degree that divides every count."
         )
+
+
+def _short_conv(full: str, module: nn.Module, tp: int) -> _Layout:
+    """A gated short convolution (LFM2): in_proj makes [B; C; x] per channel, each channel convolved on its own."""
+    width = module.conv.in_channels
+    _divisible(full, module, tp, channels=width)
+    return _Layout({"in_proj": Packing(0, (width, width, width), tp)},
+                   {n: None for n in ("conv.weight", "conv.bias") if _owned(module, n)}, {})
 
 
 def _mamba1(full: str, module: nn.Module, tp: int) -> _Layout:

@@ -140,6 +140,22 @@ def test_sliding_window_attention_is_refused() -> None:
         prepare_hf_attention(module, lambda: False)
 
 
+@pytest.mark.parametrize(("name", "where"), [("bamba", r"'model.layers.0.mamba' \(BambaMixer\)"),
+                                           ("qwen3_5_moe", r"'model.layers.0.linear_attn' \(Qwen3_5MoeGatedDeltaNet\)"),
+                                           ("lfm2", r"'model.layers.0.conv.conv' \(Conv1d\)")])
+def test_sequence_mixers_outside_attention_are_refused(name: str, where: str) -> None:
+    # A recurrent scan or a convolution over the sequence would start each rank's part from nothing: wrong results.
+    from transformers import AutoModelForCausalLM
+
+    from lightning_llmpar.context_parallel.apply import check_sequence_mixers
+    from tests.zoo import make_config
+
+    model = AutoModelForCausalLM.from_config(make_config(name))
+    with pytest.raises(ValueError, match=where + r" mixes tokens along the sequence outside attention.*context_parallel=1"):
+        check_sequence_mixers(model)
+    check_sequence_mixers(AutoModelForCausalLM.from_config(make_config("llama")))
+
+
 def test_bad_combinations_are_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="context_parallel_mode"):
         LLMParallelStrategy(context_parallel=2, context_parallel_mode="tree")
