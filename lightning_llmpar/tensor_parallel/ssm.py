@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_llmpar.tensor_parallel.packing import Packing, to_packed
@@ -35,6 +35,7 @@ from lightning_llmpar.tensor_parallel.styles import (
     SplitLinear,
     _distribute,
     _identity_forward_sum_backward,
+    _local_params_in_forward,
 )
 
 __all__ = ["MixerParams", "SSMPlan", "plan_ssm"]
@@ -209,33 +210,23 @@ class MixerParams(ParallelStyle):
         self.split, self.whole, self.buffers, self.out = split, whole, buffers, out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        owners: dict[str, tuple[nn.Module, str]] = {}
         for name in (*self.split, *self.whole):
             owner, _, leaf = name.rpartition(".")
             holder = module.get_submodule(owner) if owner else module
             placement = Shard(0) if name in self.split else Replicate()
             holder.register_parameter(leaf, _distribute(holder._parameters[leaf], device_mesh, placement, self.split.get(name)))
-            owners[name] = (holder, leaf)
         rank = device_mesh.get_local_rank()
-        held: dict[str, Any] = {}
+
+        def local(name: str, tensor: Any) -> Any:
+            if name in self.buffers:  # whole in the module (initialized, saved and loaded whole); its code sees its cut
+                packing = self.buffers[name]
+                return to_packed(tensor, packing).chunk(packing.tp, packing.dim)[rank]
+            return tensor.to_local(grad_placements=(Partial(),) if name in self.whole else None)
+
+        _local_params_in_forward(module, [*self.split, *self.whole, *self.buffers], local)
         calls: list[bool] = []
 
-        def before(mod: nn.Module, args: tuple) -> None:
-            calls.clear()
-            for name, (holder, leaf) in owners.items():
-                param: DTensor = holder._parameters[leaf]  # type: ignore[assignment]
-                held[name] = param
-                holder._parameters[leaf] = param.to_local(grad_placements=(Partial(),) if name in self.whole else None)
-            for name, packing in self.buffers.items():
-                # Whole buffers stay in the module (initialized, saved and loaded whole); its code sees this rank's cut.
-                held[name] = whole = mod._buffers[name]
-                mod._buffers[name] = to_packed(whole, packing).chunk(packing.tp, packing.dim)[rank]  # type: ignore[arg-type]
-
-        def after(mod: nn.Module, args: tuple, output: Any) -> None:
-            for name, (holder, leaf) in owners.items():
-                holder._parameters[leaf] = held.pop(name)
-            for name in self.buffers:
-                mod._buffers[name] = held.pop(name)
+        def check(mod: nn.Module, args: tuple, output: Any) -> None:
             if not calls:
                 # A fused kernel (mamba_ssm's) computed the mixer without its output projection: the split's reductions
                 # never ran, so its output would be wrong.
@@ -244,10 +235,10 @@ class MixerParams(ParallelStyle):
                     " projections. Uninstall mamba_ssm (the PyTorch path is split exactly), or train this model"
                     " without tensor parallelism."
                 )
+            calls.clear()
 
         module.get_submodule(self.out).register_forward_hook(lambda *_: calls.append(True))
         if isinstance(getattr(module, "x_proj", None), nn.Module):
             module.x_proj.register_forward_hook(lambda _m, _a, out: _identity_forward_sum_backward(out, device_mesh))
-        module.register_forward_pre_hook(before)
-        module.register_forward_hook(after)
+        module.register_forward_hook(check)
         return module

@@ -225,21 +225,32 @@ class HeadSlice(ParallelStyle):
 
 
 def _local_params_in_forward(module: nn.Module, names: list[str], local: Any = lambda name, p: p.to_local()) -> None:
-    """The module's code runs on the local tensors (``local(name, param)``) of its DTensor parameters ``names``,
-    swapped in for its forward and back after, so its own code needs no DTensor support."""
-    held: dict[str, Tensor] = {}
+    """The module's code runs on ``local(name, tensor)`` of its DTensor parameters (or buffers) ``names`` (dotted
+    for a submodule's), swapped in for its forward and back after, so its own code needs no DTensor support.
+
+    The swap back runs even when the forward is cut short: activation checkpointing stops recomputing a block once
+    backward has what it needs, which can be inside this module, and the module would otherwise keep local tensors
+    where the optimizer, clipping and checkpoints expect its parameters. Hooks, not a wrapped forward, so that code
+    wrapping the forward later (expert parallelism's routing) sees the local tensors too."""
+    slots = []
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        holder = module.get_submodule(owner) if owner else module
+        slots.append((name, holder._parameters if leaf in holder._parameters else holder._buffers, leaf))
+    held: list[list[tuple[dict, str, Any]]] = []  # one entry per forward in progress
 
     def before(mod: nn.Module, args: tuple) -> None:
-        for name in names:
-            held[name] = mod._parameters[name]  # type: ignore[assignment]
-            mod._parameters[name] = local(name, held[name])  # type: ignore[assignment]
+        entry = [(store, leaf, store[leaf]) for _, store, leaf in slots]
+        for (name, store, leaf), (_, _, whole) in zip(slots, entry):
+            store[leaf] = local(name, whole)
+        held.append(entry)
 
     def after(mod: nn.Module, args: tuple, output: Any) -> None:
-        for name in names:
-            mod._parameters[name] = held.pop(name)  # type: ignore[assignment]
+        for store, leaf, whole in held.pop() if held else ():
+            store[leaf] = whole
 
     module.register_forward_pre_hook(before)
-    module.register_forward_hook(after)
+    module.register_forward_hook(after, always_call=True)
 
 
 class PrepareFirstInput(ParallelStyle):

@@ -177,3 +177,16 @@ def test_budget_mode_fits_and_recomputes_less_as_it_grows() -> None:
     model, _ = _budgeted_gpt(full / 2**20 / 2)
     with pytest.raises(ValueError, match=r"budget_mb=0.0\d+ cannot be met: even full recompute of all 4 blocks keeps"):
         model(idx)
+
+
+def test_recomputation_cut_short_inside_a_split_module() -> None:
+    # Recomputation stops once backward has what it needs, here inside Jamba's experts (the block's last module):
+    # modules that run on local tensors of their DTensor parameters (split experts, Mamba mixers) must swap them
+    # back even so, or the next forward finds plain tensors.
+    from tests.zoo import assert_exact, fit_cases
+
+    cases = [(name, {"tensor_parallel": 2}, 8, {"checkpointing": "full"}) for name in ("jamba", "bamba")]
+    refs = run_ranks(fit_cases, 1, [(name, None, 8, {"checkpointing": "full"}) for name, *_ in cases])[0]
+    outs = run_ranks(fit_cases, 2, cases)
+    for name, kwargs, _, _ in cases:
+        assert_exact(refs[(name, "None")], [o[(name, repr(kwargs))] for o in outs])
