@@ -43,6 +43,15 @@ class StageBoundary(Exception):
         self.activation = activation
 
 
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` on the meta device, made without copying its data."""
+    memo: dict[int, Any] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+    return copy.deepcopy(module, memo)
+
+
 class _StandIn(nn.Module):
     """Takes the place of a module that lives on another stage.
 
@@ -58,7 +67,7 @@ class _StandIn(nn.Module):
         super().__init__()
         self.name, self.before_stack, self.dtype = name, before_stack, dtype
         self.num_embeddings = getattr(original, "num_embeddings", None)
-        self._meta = [copy.deepcopy(original).to("meta")] if before_stack else []  # list: not a submodule
+        self._meta = [_meta_copy(original)] if before_stack else []  # list: not a submodule
         self._blocks = [blocks]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -89,15 +98,6 @@ class _StandIn(nn.Module):
         # ids to the embedding's device): a zero-stride tensor of that shape on this stage's device, no memory.
         device = next((p.device for p in self._blocks[0].parameters()), torch.device("cpu"))
         return torch.zeros((), dtype=self.dtype or param.dtype, device=device).expand(param.shape)
-
-
-def _meta_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` on the meta device, made without copying its data."""
-    memo: dict[int, Any] = {}
-    for tensor in [*module.parameters(), *module.buffers()]:
-        empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-        memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
-    return copy.deepcopy(module, memo)
 
 
 class _PassThrough(nn.Module):

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.packing import Packing, to_packed
 from lightning_llmpar.tensor_parallel.styles import (
     TOKEN,
@@ -66,10 +67,6 @@ def _owned(module: nn.Module, name: str) -> bool:
     owner, _, leaf = name.rpartition(".")
     holder = module.get_submodule(owner) if owner else module
     return isinstance(holder._parameters.get(leaf), nn.Parameter)
-
-
-def _join(prefix: str, name: str) -> str:
-    return ".".join(part for part in (prefix, name) if part)
 
 
 def plan_ssm(full: str, module: nn.Module, tp: int, seq: bool) -> SSMPlan | None:
