@@ -102,6 +102,37 @@ class Unchained(Zipped):
         return out
 
 
+class _StateBlock(nn.Module):
+    """Returns (output, state) and reads the state of the block before it when ``shared`` (GLM-5's sparse-attention
+    layers that reuse the previous layer's top-k indices). It counts its positive inputs as a number (as routers
+    count tokens per expert), which the meta device cannot run."""
+
+    def __init__(self, shared: bool) -> None:
+        super().__init__()
+        self.shared, self.norm, self.mlp = shared, nn.LayerNorm(WIDTH), _MLP()
+
+    def forward(self, x: torch.Tensor, prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        self.positive = int((x.detach() > 0).sum())
+        if self.shared and prev is None:
+            raise ValueError("a shared block needs the state of the block before it")
+        state = prev if self.shared and prev is not None else torch.tanh(x.mean(-1, keepdim=True))
+        return x + self.mlp(self.norm(x)) * (1 + state), state
+
+
+class PassesState(_Base):
+    """Blocks that hand the next one a second value, which every other block reuses."""
+
+    def __init__(self, name: str = "", **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        self.layers = nn.ModuleList(_StateBlock(shared=i % 2 == 1) for i in range(4))
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        state = None
+        for layer in self.layers:
+            x, state = layer(x, state)
+        return x
+
+
 class ShiftedLM(LightningModule):
     """A user's step on dict batches for a model that returns logits: next-token cross-entropy, shifted by hand,
     plus ``extra_loss()``; SGD (a wrong gradient scale shows in the loss) or AdamW."""
@@ -145,4 +176,5 @@ class GPTMoE(ShiftedLM):
 
 
 CUSTOM = {"containers": Containers, "zipped": Zipped, "reuses_embedding": ReusesEmbedding, "unchained": Unchained,
+          "passes_state": PassesState,
           "gpt_moe": GPTMoE}

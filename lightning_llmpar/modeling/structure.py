@@ -24,6 +24,8 @@ class BlockStack:
     # (empty: not observed; the pipeline split then goes by registration order and names).
     ran_before: frozenset[str] = frozenset()
     ran_after: frozenset[str] = frozenset()
+    # Each block's output form in that run: () a tensor, else a tuple's items with None for its tensors.
+    forms: tuple[tuple, ...] = ()
 
     def names(self) -> list[str]:
         # Keys, not positions: under pipeline parallelism a rank keeps only some blocks, under their

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from lightning_llmpar.modeling.materialize import has_meta_tensors, materialize
 from lightning_llmpar.modeling.structure import BlockStack
 from lightning_llmpar.modeling.ties import find_tied_weights, retie
-from lightning_llmpar.pipeline.split import _StandIn, narrow_blocks, outside_owners, stage_program
+from lightning_llmpar.pipeline.split import _StandIn, narrow_blocks, output_form, outside_owners, stage_program
 from lightning_llmpar.training.quiet import quiet_step
 
 __all__ = ["Reference", "check_split", "checkable", "first_sample", "run_whole"]
@@ -104,6 +104,7 @@ def run_whole(module: nn.Module, stack: BlockStack, step: Callable[[], Any]) -> 
     """Run ``step`` once on the unsplit model (eval mode), recording block outputs and the execution order."""
     blocks = stack.blocks
     outputs: dict[int, Tensor] = {}
+    forms: dict[int, tuple] = {}
     entered = [False]
     before: set[str] = set()
     after: set[str] = set()
@@ -111,6 +112,7 @@ def run_whole(module: nn.Module, stack: BlockStack, step: Callable[[], Any]) -> 
     def record(index: int) -> Callable[..., None]:
         def hook(_m: nn.Module, _args: Any, output: Any) -> None:
             outputs.setdefault(index, _first_tensor(output))
+            forms.setdefault(index, output_form(output))
 
         return hook
 
@@ -139,7 +141,8 @@ def run_whole(module: nn.Module, stack: BlockStack, step: Callable[[], Any]) -> 
         for h in hooks:
             h.remove()
         module.train(was_training)
-    annotated = dataclasses.replace(stack, ran_before=frozenset(before), ran_after=frozenset(after))
+    seen = tuple(forms.get(i, ()) for i in range(len(blocks))) if len(forms) == len(blocks) else ()
+    annotated = dataclasses.replace(stack, ran_before=frozenset(before), ran_after=frozenset(after), forms=seen)
     return Reference(annotated, loss, outputs)
 
 
@@ -157,7 +160,7 @@ def check_split(
     original_class = type(blocks)
     try:
         reference_loss = reference.loss
-        narrow_blocks(blocks)
+        narrow_blocks(blocks, stack.forms)
         incoming: Tensor | None = None
         last = len(ranges) - 1
         for s, (start, stop) in enumerate(ranges):
@@ -171,8 +174,16 @@ def check_split(
                 with quiet_step(module):
                     return stage_program(module, blocks, (start, stop), s == last, value, stand_ins, step)
 
-            cut, value = run(incoming)
             where = f"stage {s} (blocks {start}..{stop - 1} of '{stack.prefix}')"
+            try:
+                cut, value = run(incoming)
+            except Exception as error:  # the whole step ran: only the cut makes it fail
+                raise ValueError(
+                    f"Pipeline split: {where} fails when run on its own ({type(error).__name__}: {error}). The"
+                    f" forward hands block {start} more than the previous block's output (a value one block passes"
+                    " the next), so the stage cannot start there. Cut elsewhere with pipeline_split_points=[...],"
+                    " or train this model without pipeline parallelism."
+                ) from error
             if s < last and not cut:
                 raise ValueError(
                     f"Pipeline split: {where} never ran its last block: the model's forward does not call the blocks of"

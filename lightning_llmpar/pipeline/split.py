@@ -30,6 +30,7 @@ __all__ = [
     "stage_program",
     "outside_owners",
     "narrow_blocks",
+    "output_form",
 ]
 
 BATCH_KWARG = "llmpar_batch"
@@ -104,12 +105,14 @@ class _PassThrough(nn.Module):
     """Stands for a block before the current stage's first block: returns its input unchanged, in the form the
     block's output has (a tuple led by it: Bamba's forward unpacks two values from every block), and answers
     reads of the block's plain attributes (Nemotron-H's forward reads each block's ``block_type``). Both come
-    from a copy of the block on the meta device; its output form is found once, on its first call."""
+    from a copy of the block on the meta device. The output form is the one seen in a run of the whole model
+    when there was one; else the copy's, on the first call (code the meta device cannot run, such as grouped
+    expert kernels, cannot tell it)."""
 
-    def __init__(self, block: nn.Module) -> None:
+    def __init__(self, block: nn.Module, form: tuple | None = None) -> None:
         super().__init__()
         self._meta = [_meta_copy(block)]  # list: not a submodule
-        self._form: tuple | None = None  # () a tensor; else the tuple's items (None where a tensor is)
+        self._form = form  # () a tensor; else the tuple's items (None where a tensor is)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         first = args[0] if args else next(iter(kwargs.values()))
@@ -123,10 +126,7 @@ class _PassThrough(nn.Module):
             out = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
         except Exception:  # noqa: BLE001 - code the meta device cannot run: take the block for one returning a tensor
             return ()
-        if not isinstance(out, tuple) or not out or not isinstance(out[0], Tensor):
-            return ()
-        # Other tensors (attention weights when asked for) are not faked: code using them fails loudly.
-        return tuple(None if isinstance(item, Tensor) else item for item in out)
+        return output_form(out)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -138,9 +138,18 @@ class _PassThrough(nn.Module):
         return value
 
 
-def narrow_blocks(blocks: nn.ModuleList) -> None:
-    """Turn ``blocks`` into a ``_StageBlocks`` (before any block is removed: each gets its pass-through)."""
-    passes = [_PassThrough(block) for block in blocks]
+def output_form(out: Any) -> tuple:
+    """A block output's form: () for a tensor, else a tuple's items with None where a tensor is. Other tensors
+    (attention weights when asked for) are not faked by a pass-through: code using them fails loudly."""
+    if not isinstance(out, tuple) or not out or not isinstance(out[0], Tensor):
+        return ()
+    return tuple(None if isinstance(item, Tensor) else item for item in out)
+
+
+def narrow_blocks(blocks: nn.ModuleList, forms: Sequence[tuple] = ()) -> None:
+    """Turn ``blocks`` into a ``_StageBlocks`` (before any block is removed: each gets its pass-through, with the
+    output form seen in a run of the whole model, if any)."""
+    passes = [_PassThrough(block, forms[i] if i < len(forms) else None) for i, block in enumerate(blocks)]
     blocks.__class__ = _StageBlocks
     blocks._llmpar_total, blocks._llmpar_passes = len(passes), passes  # type: ignore[attr-defined]
     blocks._llmpar_window, blocks._llmpar_entered = None, False  # type: ignore[attr-defined]
@@ -352,7 +361,7 @@ def split_model(
         else:
             replace_module(model, name, _StandIn(model.get_submodule(name), name, False, blocks))
     keep = {str(i) for s in local for i in range(*layout.block_ranges[s])}
-    narrow_blocks(blocks)
+    narrow_blocks(blocks, stack.forms)
     for key in list(blocks._modules):
         if key not in keep:
             del blocks._modules[key]

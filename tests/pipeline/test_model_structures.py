@@ -26,12 +26,16 @@ EXACT = [
     ("zipped", PP2),  # blocks paired with a per-layer list by position
     ("zipped", {**PP2, "block_stack": "layers"}),
     ("zipped", {"tensor_parallel": 2}),
+    # Blocks return (output, state), found by running the model whole (the meta device cannot run them); a stage
+    # starting at a block that makes its own state gets a pass-through's (activation, None).
+    ("passes_state", {**PP2, "pipeline_schedule": "1F1B"}),
 ]
 # (model, strategy kwargs, words the ValueError must contain): refused before the first step.
 REFUSED = [
     ("containers", PP2, ["containers without a forward", "block_stack="]),
     ("reuses_embedding", PP2, ["stage 1", "computes something else", "pipeline_split_points"]),
     ("unchained", PP2, ["stage 1", "block_stack="]),
+    ("passes_state", PP2, ["stage 1", "fails when run on its own", "pipeline_split_points"]),  # starts at a shared block
     ("zipped", {**PP2, "block_stack": "nope"}, ["block_stack='nope'", "names no module"]),
     ("zipped", {**PP2, "block_stack": "head"}, ["block_stack='head'", "nn.ModuleList"]),
 ]
@@ -52,7 +56,7 @@ def litgpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
 
 @pytest.fixture(scope="module")
 def runs(litgpt_dir: Path | None) -> tuple[dict, dict]:
-    refs = [("containers", None, BATCH), ("zipped", None, BATCH)]
+    refs = [("containers", None, BATCH), ("zipped", None, BATCH), ("passes_state", None, BATCH)]
     cases = [(m, kw, _per_rank(kw)) for m, kw in EXACT] + [(m, kw, _per_rank(kw)) for m, kw, _ in REFUSED]
     if litgpt_dir is not None:
         # A LitGPT checkpoint (fused qkv, q/k norms) read per rank into a model built on the meta device.
