@@ -23,13 +23,14 @@ MODELS = [
 # Newer families at the two layouts that depend on a model's structure (ZeRO shards every block alike): MoE layers
 # with a shared expert and its gate, parallel attention and MLP, per-head fused q/k/v with per-head norms, layers
 # without rotary positions, squared-ReLU MLPs, an activation with parameters (Apertus' xIELU), (E, in, out) experts
-# in a MoE layer that returns flat tokens and reads the embedding's weight (Llama 4), latent attention (DeepSeek-V3),
-# per-head attention sinks and experts with biases and interleaved gate/up columns (GPT-OSS), state-space models
-# (Mamba, and hybrids whose block stack mixes classes, blocks return tuples or the forward reads block attributes)
-# gated delta-rule linear attention (Qwen3-Next, Qwen3.5, OLMo-Hybrid) and gated short convolutions (LFM2).
+# in a MoE layer that returns flat tokens and reads the embedding's weight (Llama 4), latent attention split by
+# heads (DeepSeek-V3; DeepSeek-V2 without a query latent), per-head attention sinks and experts with biases and
+# interleaved gate/up columns (GPT-OSS), state-space models (Mamba, and hybrids whose block stack mixes classes, blocks
+# return tuples or the forward reads block attributes), gated delta-rule linear attention (Qwen3-Next, Qwen3.5,
+# OLMo-Hybrid) and gated short convolutions (LFM2).
 MORE_MODELS = ["qwen2_moe", "glm4_moe", "gemma3", "cohere", "phi", "smollm3", "persimmon", "nemotron", "apertus", "llama4",
-               "deepseek_v3", "gpt_oss", "mamba", "jamba", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid",
-               "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "lfm2"]
+               "deepseek_v3", "deepseek_v2", "gpt_oss", "mamba", "jamba", "bamba", "nemotron_h", "falcon_h1",
+               "granitemoehybrid", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "lfm2"]
 LITGPT_MODELS = ["litgpt_llama", "litgpt_pythia", "litgpt_gemma2", "litgpt_phi2", "litgpt_qwen3", "litgpt_mixtral",
                  "litgpt_falcon", "litgpt_gemma3", "litgpt_olmo2"]
 HAS_LITGPT = importlib.util.find_spec("litgpt") is not None

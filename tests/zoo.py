@@ -61,6 +61,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v3": ("DeepseekV3Config", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                          "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
                                          "v_head_dim": 8, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}),
+    # Latent attention without a query latent (q_proj), split by heads as DeepSeek-V3's.
+    "deepseek_v2": ("DeepseekV2Config", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                         "q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+                                         "qk_nope_head_dim": 4, "v_head_dim": 8, "num_key_value_heads": 4,
+                                         "first_k_dense_replace": 1}),
     # State-space models: Mamba(-1) mixers alone and between attention layers of another class (Jamba), Mamba-2
     # mixers in hybrids (Bamba's blocks return tuples; Nemotron-H's forward reads each block's type; Falcon-H1
     # scales in_proj's pieces with a buffer and norms per group; Granite-4 has an ungated-name shared MLP).

@@ -16,7 +16,7 @@ from torch import nn
 from lightning_llmpar.tensor_parallel.packing import Packing
 
 __all__ = [
-    "Q", "K", "V", "OUT", "UP", "DOWN", "FUSED_QKV", "FUSED_UP", "HEAD_COUNT_ATTRS", "WIDTH_ATTRS", "WHOLE_ATTENTION",
+    "Q", "K", "V", "OUT", "UP", "DOWN", "FUSED_QKV", "FUSED_UP", "HEAD_COUNT_ATTRS", "WIDTH_ATTRS",
     "INTERLEAVED_EXPERTS",
     "FusedLayout", "fused_qkv_layout", "head_slices", "name_roles", "out_features",
 ]
@@ -29,8 +29,6 @@ FUSED_QKV = {"qkv", "qkv_proj", "c_attn", "wqkv", "query_key_value", "in_proj", 
 UP = {"up_proj", "gate_proj", "w1", "w3", "fc1", "c_fc", "fc_in", "gate", "up", "dense_h_to_4h", "lin1", "fc_1", "fc_2", "fc"}
 DOWN = {"down_proj", "w2", "fc2", "fc_out", "c_proj", "down", "dense_4h_to_h", "lin2", "proj", "output_linear"}
 FUSED_UP = {"gate_up_proj", "w13", "fc1_gate", "input_linear"}
-# Children that mark an attention tensor parallelism keeps whole (DeepSeek's multi-head latent attention).
-WHOLE_ATTENTION = {"kv_a_proj_with_mqa"}
 # Fused experts whose gate_up columns alternate [g0, u0, g1, u1, ...], for transformers versions that do not mark
 # them (is_concatenated=False).
 INTERLEAVED_EXPERTS = {"GptOssExperts"}

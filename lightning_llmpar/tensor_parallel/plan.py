@@ -28,6 +28,7 @@ from lightning_llmpar.tensor_parallel.entries import is_norm as _is_norm
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.entries import linear_like as _linear_like
 from lightning_llmpar.tensor_parallel.entries import own_parameter_message as _own_message
+from lightning_llmpar.tensor_parallel.mla import LATENT, plan_mla
 from lightning_llmpar.tensor_parallel.moe import MoEPlanning, fused_experts
 from lightning_llmpar.tensor_parallel.outside import check_ties, plan_outside
 from lightning_llmpar.tensor_parallel.packing import Packing
@@ -171,21 +172,26 @@ class _Planner(MoEPlanning):
         children = dict(module.named_children())
         if self._role(full, "", module, {}) == "experts" or fused_experts(module, biases=True):
             return None  # planned with its MoE parent
-        if fam.WHOLE_ATTENTION & children.keys() and full not in self.claimed:
-            # Multi-head latent attention (DeepSeek): one rotary key slice serves every head, so a split by heads
-            # would leave its projection's gradient partial. Kept whole, as transformers' own plan keeps it.
-            split = [n for n, _ in module.named_modules() if self.styles.get(_join(full, n)) is not None]
+        if LATENT in children and full not in self.claimed:
+            # Multi-head latent attention (DeepSeek): split by heads with its shared latents whole (mla.py); one
+            # with parts beyond those (a sparse-attention indexer) is kept whole, as transformers' own plan keeps it.
+            split = [n for n, _ in module.named_modules() if _join(full, n) in self.claimed]
             if split:
                 raise ValueError(
-                    f"tp_plan splits '{_join(full, split[0])}' of {type(module).__name__} '{full}', a multi-head latent"
-                    " attention: its rotary key slice is shared by every head, so split heads would give its"
-                    f" projection a partial gradient (wrong results). Leave '{full}' out of tp_plan: it is kept whole."
+                    f"tp_plan names '{_join(full, split[0])}' of {type(module).__name__} '{full}', a multi-head latent"
+                    " attention: its latents are shared by every head, so a split of its parts alone gives them a"
+                    f" partial gradient (wrong results). Leave '{full}' out of tp_plan: it is split by heads, with"
+                    " its shared latents whole."
                 )
-            for n, _ in module.named_modules():
-                self.claimed.add(_join(full, n))
-                self.styles[_join(full, n)] = None
-            return None
-        if full not in self.claimed and (mixer := plan_ssm(full, module, self.tp, self.seq)) is not None:
+            mixer = plan_mla(full, module, self.tp, self.seq)
+            if mixer is None:
+                for n, _ in module.named_modules():
+                    self.claimed.add(_join(full, n))
+                    self.styles[_join(full, n)] = None
+                return None
+        else:
+            mixer = plan_ssm(full, module, self.tp, self.seq) if full not in self.claimed else None
+        if mixer is not None:
             for name, style in mixer.styles.items():
                 self._add(name, style, covered)
             self.result.packings.update(mixer.packings)

@@ -39,11 +39,11 @@ from lightning_llmpar.tensor_parallel.styles import (
     _local_params_in_forward,
 )
 
-__all__ = ["MixerParams", "SSMPlan", "plan_ssm"]
+__all__ = ["MixerParams", "MixerPlan", "plan_ssm"]
 
 
 @dataclass
-class SSMPlan:
+class MixerPlan:
     """One mixer's styles (full names), the packed layouts of its parameters (full names, for checkpoints) and
     the widths its modules' code must see per rank (``counts``: module -> attribute -> value)."""
 
@@ -69,7 +69,7 @@ def _owned(module: nn.Module, name: str) -> bool:
     return isinstance(holder._parameters.get(leaf), nn.Parameter)
 
 
-def plan_ssm(full: str, module: nn.Module, tp: int, seq: bool) -> SSMPlan | None:
+def plan_ssm(full: str, module: nn.Module, tp: int, seq: bool) -> MixerPlan | None:
     """The plan of ``module`` if it is a Mamba or gated-delta mixer (found by its parts' reference names), else None."""
     conv = next((c for n in ("conv1d", "conv") if isinstance(c := getattr(module, n, None), nn.Conv1d)), None)
     out = next((n for n in ("out_proj", "o_proj") if _linears(module, n)), None)
@@ -90,7 +90,7 @@ def plan_ssm(full: str, module: nn.Module, tp: int, seq: bool) -> SSMPlan | None
         raise ValueError(f"'{full}' ({type(module).__name__}): its conv1d is not depthwise, so its channels cannot be split.")
     projections = (*layout.cols, "x_proj", out)
     whole = tuple(n for n, _ in module.named_parameters() if n.rpartition(".")[0] not in projections and n not in layout.split)
-    plan = SSMPlan(counts={_join(full, n): c for n, c in layout.counts.items()})
+    plan = MixerPlan(counts={_join(full, n): c for n, c in layout.counts.items()})
     plan.styles[f"{full}#in"] = PrepareFirstInput(TOKEN if seq else Replicate(), Replicate())
     for name, packing in layout.cols.items():
         plan.styles[f"{full}.{name}"] = SplitLinear("col", packing=packing)

@@ -343,3 +343,35 @@ def test_a_delta_rule_mixer_with_a_projection_not_split_by_heads_is_refused() ->
     plan = infer_tp_plan(model, 2)  # q/k/v by heads, the convolution over [q; k; v] per piece
     assert plan.packings["layers.0.conv1d.weight"].sizes == (8, 8, 8)
     assert plan.local_counts["layers.0"]["num_v_heads"] == 1
+
+
+def _latent(cls: str, **overrides: object) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                 qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
+    config = getattr(transformers, cls)(**{**sizes, **overrides})
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_latent_attention_splits_by_heads_with_its_latents_whole() -> None:
+    from lightning_llmpar.tensor_parallel.mla import SharedRotaryKey
+    from lightning_llmpar.tensor_parallel.styles import SplitLinear
+
+    plan = infer_tp_plan(_latent("DeepseekV3Config"), 2)
+    attn = "model.layers.0.self_attn"
+    kinds = {n: s.kind for n in ("q_b_proj", "kv_b_proj", "o_proj") if isinstance(s := plan.styles[f"{attn}.{n}"], SplitLinear)}
+    assert kinds == {"q_b_proj": "col", "kv_b_proj": "col", "o_proj": "row"}
+    # The rotary key every head shares gets its gradient summed; the down projections and norms stay plain.
+    assert plan.styles[f"{attn}.kv_a_proj_with_mqa"].width == 4
+    assert isinstance(plan.styles[f"{attn}.kv_a_proj_with_mqa"], SharedRotaryKey)
+    assert not any(plan.styles.get(f"{attn}.{n}") for n in ("q_a_proj", "q_a_layernorm", "kv_a_layernorm"))
+    assert plan.local_counts[attn]["num_heads"] == 2
+    assert infer_tp_plan(_latent("DeepseekV3Config", q_lora_rank=None), 2).styles[f"{attn}.q_proj"].kind == "col"
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn' \(DeepseekV3Attention\): 4 heads not divisible"):
+        infer_tp_plan(_latent("DeepseekV3Config"), 8)
+    with pytest.raises(ValueError, match=r"tp_plan names 'model.layers.0.self_attn.q_b_proj'.*multi-head latent attention"):
+        infer_tp_plan(_latent("DeepseekV3Config"), 2, user_plan={f"{attn}.q_b_proj": "colwise"})
+    # A sparse-attention indexer beside the latents is not split: the attention is kept whole.
+    sparse = infer_tp_plan(_latent("DeepseekV32Config"), 2)
+    assert all(sparse.styles[n] is None for n in sparse.styles if n.startswith(attn + ".") or n == attn)
