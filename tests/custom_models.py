@@ -105,7 +105,7 @@ class Unchained(Zipped):
 class _StateBlock(nn.Module):
     """Returns (output, state) and reads the state of the block before it when ``shared`` (GLM-5's sparse-attention
     layers that reuse the previous layer's top-k indices). It counts its positive inputs as a number (as routers
-    count tokens per expert), which the meta device cannot run."""
+    count tokens per expert), which the meta device cannot run, and refuses non-finite inputs."""
 
     def __init__(self, shared: bool) -> None:
         super().__init__()
@@ -113,6 +113,8 @@ class _StateBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         self.positive = int((x.detach() > 0).sum())
+        if not bool(torch.isfinite(x).all()):
+            raise FloatingPointError("non-finite activations")
         if self.shared and prev is None:
             raise ValueError("a shared block needs the state of the block before it")
         state = prev if self.shared and prev is not None else torch.tanh(x.mean(-1, keepdim=True))

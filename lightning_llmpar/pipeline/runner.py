@@ -128,6 +128,18 @@ class PipelineRunner:
                     self._inferring -= 1
 
             setattr(stage, attr, flagged)
+        to_tensor = getattr(stage, "_to_tensor", None)
+        if to_tensor is not None:
+            # The placeholders made from shapes are uninitialized memory (NaN, inf): a forward that checks its
+            # activations would fail on one stage only, and the others would wait for it forever. Zeros pass.
+            def zeroed(arg: Any, __orig: Callable = to_tensor) -> Any:
+                out = __orig(arg)
+                if not isinstance(arg, Tensor):
+                    with torch.no_grad():
+                        out.zero_()
+                return out
+
+            stage._to_tensor = zeroed
 
     def _schedule(self, microbatches: int, training: bool) -> Any:
         key = (microbatches, training)
