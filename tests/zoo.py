@@ -68,7 +68,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                          "first_k_dense_replace": 1}),
     # State-space models: Mamba(-1) mixers alone and between attention layers of another class (Jamba), Mamba-2
     # mixers in hybrids (Bamba's blocks return tuples; Nemotron-H's forward reads each block's type; Falcon-H1
-    # scales in_proj's pieces with a buffer and norms per group; Granite-4 has an ungated-name shared MLP).
+    # scales in_proj's pieces with a buffer and norms per group; Granite-4 has an ungated-name shared MLP and, as
+    # released, one head group shared by every rank's heads).
     "mamba": ("MambaConfig", {"state_size": 4, "time_step_rank": 4, "pad_token_id": 0}),
     "jamba": ("JambaConfig", {"num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 4, "mamba_dt_rank": 4,
                               "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
@@ -81,7 +82,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "falcon_h1": ("FalconH1Config", {"mamba_d_ssm": 64, "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_n_groups": 2,
                                      "mamba_d_state": 4, "mamba_chunk_size": 8, "head_dim": 8, "pad_token_id": 0}),
     "granitemoehybrid": ("GraniteMoeHybridConfig", {"layer_types": ["mamba", "attention", "mamba", "attention"],
-                                                    "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_n_groups": 2,
+                                                    "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_n_groups": 1,
                                                     "mamba_d_state": 4, "mamba_chunk_size": 8, "num_local_experts": 4,
                                                     "num_experts_per_tok": 2, "shared_intermediate_size": 64,
                                                     "pad_token_id": 0}),

@@ -4,7 +4,9 @@ a norm over all heads' features split with them, and an attention's own per-head
 
 from __future__ import annotations
 
-from torch import nn
+from typing import Any
+
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -53,21 +55,42 @@ class ReplicatedOnShards(ParallelStyle):
         )
 
 
+def _features(tensor: Any, first: Any, mesh: DeviceMesh, gather: bool) -> Any:
+    if isinstance(tensor, Tensor) and not isinstance(tensor, DTensor) and tensor.shape == first.shape:
+        return _to_dtensor(tensor, mesh, Shard(-1), Replicate() if gather else Shard(-1))
+    return tensor
+
+
+def _local_features(out: Any) -> Any:
+    if not isinstance(out, DTensor):
+        return out
+    return (out if out.placements == (Shard(out.dim() - 1),) else out.redistribute(placements=(Shard(-1),))).to_local()
+
+
 class ShardedNorm(ParallelStyle):
-    """A norm over the full width of a column-split projection (OLMo-2's q/k norms): its weight is split
-    like the features and the statistic is reduced over ranks by DTensor."""
+    """A norm over the full width of a column-split projection (OLMo-2's q/k norms; a Mamba-2 gated norm whose
+    head group spans ranks): its weight is split like the features and the statistic is reduced over ranks by
+    DTensor. Its inputs of the features' shape (a gated norm's gate too) are this rank's features. ``gather``: the
+    norm runs on the gathered features (its code reshapes them into groups that DTensor cannot keep split)."""
+
+    def __init__(self, gather: bool = False) -> None:
+        super().__init__()
+        self.gather = gather
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for pname, param in list(module.named_parameters(recurse=False)):
             module.register_parameter(pname, _distribute(param, mesh, Shard(0)))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.gather:  # its weight too, so that backward keeps every gradient whole until the output
+            names = [n for n, _ in module.named_parameters(recurse=False)]
+            _local_params_in_forward(module, names, lambda _n, p: p.redistribute(placements=(Replicate(),)))
         return distribute_module(
             module,
             device_mesh,
             self._partition,
-            lambda mod, inputs, mesh: (_to_dtensor(inputs[0], mesh, Shard(-1), Shard(-1)), *inputs[1:]),
-            lambda mod, outputs, mesh: outputs.to_local() if isinstance(outputs, DTensor) else outputs,
+            lambda mod, inputs, mesh: tuple(_features(x, inputs[0], mesh, self.gather) for x in inputs),
+            lambda mod, outputs, mesh: _local_features(outputs),
         )
 
 

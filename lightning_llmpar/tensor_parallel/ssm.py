@@ -12,7 +12,10 @@ convolution and its own scan, so a rank keeps its share of them in ``in_proj``, 
   Parameters applied to those shared values (Jamba's norms of dt, B and C) stay whole, gradient summed.
 - Mamba-2: ``in_proj`` packs [gate, x, B, C, dt]; B and C belong to head groups, so with the groups split
   like the heads (Megatron's rule: groups divisible by the degree) each rank's heads read only its own
-  groups and nothing crosses ranks before ``out_proj``. The gated norm normalizes within a group.
+  groups and nothing crosses ranks before ``out_proj``. The gated norm normalizes within a group. With fewer
+  groups than ranks (one group: Mamba2, Bamba, Granite-4, Falcon-H1 as released) each rank's heads lie in one
+  group that several ranks share: B and C stay split in storage, and the mixer sees its group's, gathered
+  (their gradients, partial per rank, reduce-scattered back); the gated norm's statistic spans ranks (DTensor).
 - Gated delta rule: split by key heads, each with its value heads; nothing crosses ranks before ``out_proj``.
   The gated norm's weight, one value per feature of a head and shared by all heads, stays whole (gradient summed).
 - Short convolution: in_proj's [B; C; x] and the depthwise convolution split by channels.
@@ -23,13 +26,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.packing import Packing, to_packed
+from lightning_llmpar.tensor_parallel.param_styles import ShardedNorm
 from lightning_llmpar.tensor_parallel.styles import (
     TOKEN,
     PrepareFirstInput,
@@ -39,7 +44,7 @@ from lightning_llmpar.tensor_parallel.styles import (
     _local_params_in_forward,
 )
 
-__all__ = ["MixerParams", "MixerPlan", "plan_ssm"]
+__all__ = ["MixerParams", "MixerPlan", "SharedGroups", "plan_ssm"]
 
 
 @dataclass
@@ -57,6 +62,7 @@ class _Layout:
     cols: dict[str, Packing | None]  # the input projections (column split) -> their pieces, if packed
     split: dict[str, Packing | None]  # the mixer's own parameters split along dim 0 -> their pieces, if packed
     counts: dict[str, dict[str, int]]  # relative module name ("": the mixer) -> attribute -> value per rank
+    groups: SharedGroups | None = None  # Mamba-2 head groups shared by several ranks
 
 
 def _linears(module: nn.Module, *names: str) -> bool:
@@ -102,7 +108,10 @@ def plan_ssm(full: str, module: nn.Module, tp: int, seq: bool) -> MixerPlan | No
     plan.styles[f"{full}.{out}"] = SplitLinear("row", output=TOKEN if seq else Replicate())
     # After x_proj's style: its hook then runs after the split's.
     buffers = _buffers(module, layout.cols.get("in_proj"))
-    plan.styles[f"{full}#params"] = MixerParams(layout.split, whole, buffers, out)
+    if layout.groups is not None and _owned(module, "norm.weight"):
+        plan.styles[f"{full}.norm"] = ShardedNorm(gather=layout.groups.groups > 1)  # one group: a split statistic
+        whole = tuple(n for n in whole if not n.startswith("norm."))
+    plan.styles[f"{full}#params"] = MixerParams(layout.split, whole, buffers, out, layout.groups)
     plan.packings.update({_join(full, n): p for n, p in layout.split.items() if p is not None})
     return plan
 
@@ -149,18 +158,67 @@ def _mamba2(full: str, module: nn.Module, tp: int) -> _Layout:
             " (Mamba-1: x_proj and dt_proj; Mamba-2: num_heads, n_groups and ssm_state_size). Train it"
             " with pipeline_parallel and/or zero_stage, which take it as it is, or without tensor parallelism."
         )
-    _divisible(full, module, tp, heads=heads, groups=groups)
+    _divisible(full, module, tp, heads=heads)
+    shared = groups % tp != 0
+    if shared and tp % groups:
+        raise ValueError(
+            f"Mixer '{full}' ({type(module).__name__}): {groups} head groups and tensor_parallel({tp}): each rank's"
+            " heads must lie in one group (the degree a multiple of the group count) or own whole groups (the group"
+            " count a multiple of the degree). Choose a degree that is one of these."
+        )
     grouped = groups * state
     conv = Packing(0, (width, grouped, grouped), tp)  # [x; B; C]
-    split: dict[str, Packing | None] = {"conv1d.weight": conv, "conv1d.bias": conv, "norm.weight": None}
+    in_proj = Packing(0, (width, width, grouped, grouped, heads), tp)  # [gate; x; B; C; dt]
+    split: dict[str, Packing | None] = {"conv1d.weight": conv, "conv1d.bias": conv}
     split |= {n: None for n in ("A_log", "D", "dt_bias")}  # one value per head
-    counts = {"": {"num_heads": heads // tp, "n_groups": groups // tp, "intermediate_size": width // tp,
-                   "conv_dim": (width + 2 * grouped) // tp}}
+    split = {n: p for n, p in split.items() if _owned(module, n)}
+    local = groups // tp if not shared else 1  # groups the mixer's code sees
+    counts = {"": {"num_heads": heads // tp, "n_groups": local, "intermediate_size": width // tp,
+                   "conv_dim": width // tp + 2 * local * state}}
     norm = getattr(module, "norm", None)
+    if shared:  # the norm's group spans ranks: it sees the whole width as DTensors, with its whole counts
+        return _Layout({"in_proj": in_proj}, split, counts, SharedGroups(groups, state, in_proj, conv))
     if isinstance(getattr(norm, "n_groups", None), int):
         counts["norm"] = {"n_groups": groups // tp}  # a gated norm that reads its own group count (Falcon-H1)
-    split = {n: p for n, p in split.items() if _owned(module, n)}
-    return _Layout({"in_proj": Packing(0, (width, width, grouped, grouped, heads), tp)}, split, counts)  # [gate; x; B; C; dt]
+    split |= {"norm.weight": None} if _owned(module, "norm.weight") else {}
+    return _Layout({"in_proj": in_proj}, split, counts)
+
+
+@dataclass(frozen=True)
+class SharedGroups:
+    """Mamba-2 head groups fewer than the ranks: rank r's heads lie in group r // (tp // groups). B and C (``state``
+    features per group) are stored split like every piece of ``in_proj`` and ``conv1d``; the mixer's code sees its
+    group's, gathered from the ranks, whose gradients (partial: this rank's heads only) are reduce-scattered back."""
+
+    groups: int
+    state: int
+    in_proj: Packing  # [gate; x; B; C; dt]
+    conv: Packing  # [x; B; C]
+
+    def _group(self, rank: int) -> int:
+        return rank // (self.in_proj.tp // self.groups)
+
+    def regroup(self, local: Tensor, packing: Packing, mesh: DeviceMesh, dim: int | None = None) -> Tensor:
+        """This rank's slices of ``packing``'s pieces along ``dim`` (default: the packing's) -> the same with B and C
+        its group's."""
+        dim = (packing.dim if dim is None else dim) % local.dim()
+        parts = list(local.split([size // packing.tp for size in packing.sizes], dim))
+        at = 2 if len(parts) == 5 else 1  # B, then C: [gate; x; B; C; dt] or [x; B; C]
+        for i in (at, at + 1):
+            whole = DTensor.from_local(parts[i], mesh, (Shard(dim),), run_check=False)
+            whole = whole.redistribute(placements=(Replicate(),)).to_local(grad_placements=(Partial(),))
+            parts[i] = whole.narrow(dim, self._group(mesh.get_local_rank()) * self.state, self.state)
+        return torch.cat(parts, dim)
+
+    def cut(self, whole: Tensor, packing: Packing, rank: int) -> Tensor:
+        """This rank's part of a whole tensor laid out like ``packing`` (a buffer), B and C its group's."""
+        parts = list(whole.split(packing.sizes, packing.dim))
+        at = 2 if len(parts) == 5 else 1
+        for i, part in enumerate(parts):
+            shared = i in (at, at + 1)
+            start = self._group(rank) * self.state if shared else rank * part.shape[packing.dim] // packing.tp
+            parts[i] = part.narrow(packing.dim, start, self.state if shared else part.shape[packing.dim] // packing.tp)
+        return torch.cat(parts, packing.dim)
 
 
 _GATED_DELTA_COUNTS = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
@@ -198,13 +256,19 @@ def _gated_delta(full: str, module: nn.Module, tp: int, out: str) -> _Layout:
 class MixerParams(ParallelStyle):
     """A mixer's own parameters: ``split`` along dim 0 (name -> packing of its pieces, or None), ``whole`` applied
     to values every rank shares (gradient summed). The mixer's code runs on their local tensors. ``x_proj``'s
-    output, when it has one, is shared by every rank's channels: its gradient is summed."""
+    output, when it has one, is shared by every rank's channels: its gradient is summed. With ``groups`` (Mamba-2
+    head groups shared by several ranks) the mixer sees its group's B and C in in_proj's output and conv1d."""
 
     def __init__(
-        self, split: dict[str, Packing | None], whole: tuple[str, ...], buffers: dict[str, Packing], out: str
+        self,
+        split: dict[str, Packing | None],
+        whole: tuple[str, ...],
+        buffers: dict[str, Packing],
+        out: str,
+        groups: SharedGroups | None = None,
     ) -> None:
         super().__init__()
-        self.split, self.whole, self.buffers, self.out = split, whole, buffers, out
+        self.split, self.whole, self.buffers, self.out, self.groups = split, whole, buffers, out, groups
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name in (*self.split, *self.whole):
@@ -214,11 +278,17 @@ class MixerParams(ParallelStyle):
             holder.register_parameter(leaf, _distribute(holder._parameters[leaf], device_mesh, placement, self.split.get(name)))
         rank = device_mesh.get_local_rank()
 
+        groups = self.groups
+
         def local(name: str, tensor: Any) -> Any:
             if name in self.buffers:  # whole in the module (initialized, saved and loaded whole); its code sees its cut
                 packing = self.buffers[name]
+                if groups is not None:
+                    return groups.cut(tensor, packing, rank)
                 return to_packed(tensor, packing).chunk(packing.tp, packing.dim)[rank]
-            return tensor.to_local(grad_placements=(Partial(),) if name in self.whole else None)
+            out = tensor.to_local(grad_placements=(Partial(),) if name in self.whole else None)
+            packing = self.split.get(name)
+            return groups.regroup(out, packing, device_mesh) if groups is not None and packing is not None else out
 
         _local_params_in_forward(module, [*self.split, *self.whole, *self.buffers], local)
         calls: list[bool] = []
@@ -235,6 +305,8 @@ class MixerParams(ParallelStyle):
             calls.clear()
 
         module.get_submodule(self.out).register_forward_hook(lambda *_: calls.append(True))
+        if groups is not None:
+            module.in_proj.register_forward_hook(lambda _m, _a, out: groups.regroup(out, groups.in_proj, device_mesh, -1))
         if isinstance(getattr(module, "x_proj", None), nn.Module):
             module.x_proj.register_forward_hook(lambda _m, _a, out: _identity_forward_sum_backward(out, device_mesh))
         module.register_forward_hook(check)

@@ -261,21 +261,31 @@ def test_fused_up_name_is_split_in_halves_only_when_the_down_projection_reads_ha
 
 def _mamba2(**overrides: object) -> nn.Module:
     transformers = pytest.importorskip("transformers")
-    config = transformers.Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4, num_heads=8,
-                                       head_dim=8, chunk_size=8, **overrides)
-    return transformers.AutoModelForCausalLM.from_config(config)
+    sizes = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4, num_heads=8, head_dim=8, chunk_size=8)
+    return transformers.AutoModelForCausalLM.from_config(transformers.Mamba2Config(**{**sizes, **overrides}))
 
 
 def test_state_space_mixers_split_by_heads_and_groups() -> None:
+    from lightning_llmpar.tensor_parallel.param_styles import ShardedNorm
+
     plan = infer_tp_plan(_mamba2(n_groups=2), 2)
     # in_proj packs [gate, x, B, C, dt]; the depthwise conv [x, B, C]: each rank its heads' and groups' share.
     assert plan.packings["backbone.layers.0.mixer.in_proj.weight"].sizes == (64, 64, 8, 8, 8)
     assert plan.packings["backbone.layers.0.mixer.conv1d.weight"].sizes == (64, 8, 8)
     assert plan.local_counts["backbone.layers.0.mixer"] == {"num_heads": 4, "n_groups": 1, "intermediate_size": 32,
                                                              "conv_dim": 40}
-    # One group of B/C shared by every head cannot follow the heads onto two ranks.
-    with pytest.raises(ValueError, match=r"Mixer 'backbone.layers.0.mixer'.*\{'groups': 1\} not divisible by tensor_parallel\(2\)"):
-        infer_tp_plan(_mamba2(n_groups=1), 2)
+    assert plan.styles["backbone.layers.0.mixer#params"].groups is None
+    # One group shared by both ranks' heads: stored split the same way, the mixer sees the group's B and C whole
+    # (4 state features each) and the gated norm's statistic spans the ranks.
+    shared = infer_tp_plan(_mamba2(n_groups=1), 2)
+    assert shared.packings["backbone.layers.0.mixer.in_proj.weight"].sizes == (64, 64, 4, 4, 8)
+    assert shared.local_counts["backbone.layers.0.mixer"] == {"num_heads": 4, "n_groups": 1, "intermediate_size": 32,
+                                                               "conv_dim": 40}
+    assert shared.styles["backbone.layers.0.mixer#params"].groups.state == 4
+    assert isinstance(shared.styles["backbone.layers.0.mixer.norm"], ShardedNorm)
+    # Three groups over two ranks: a rank's heads would straddle groups.
+    with pytest.raises(ValueError, match=r"Mixer 'backbone.layers.0.mixer'.*3 head groups and tensor_parallel\(2\)"):
+        infer_tp_plan(_mamba2(n_groups=3, num_heads=12, hidden_size=48), 2)
 
 
 class _Mlp(nn.Module):
