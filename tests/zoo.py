@@ -258,7 +258,7 @@ class Record(Callback):
 
 def assert_exact(ref: dict[str, Any], outs: list[dict[str, Any]], sharded: bool = True) -> None:
     """A layout's per-rank results reproduce the one-process reference: losses (mean over ranks) and every
-    parameter's gradient, fp32 within 1e-5 and within 0.1% of its norm."""
+    parameter's gradient, fp32 within 1e-5 and within 0.1% of its norm (and of each row's)."""
     assert "error" not in ref, ref.get("error")
     for out in outs:
         assert "error" not in out, out["error"]
@@ -277,6 +277,14 @@ def assert_exact(ref: dict[str, Any], outs: list[dict[str, Any]], sharded: bool 
         # initialization) could otherwise be off by a factor within atol.
         error, size = (grads[name] - grad).norm().item(), grad.norm().item()
         assert error <= 1e-3 * size + 1e-9, f"grad {name}: off by {error:.3g}, its norm is {size:.3g}"
+        if grad.dim() >= 2:
+            # And row by row: a packed projection's small piece (Mamba-2's B and C rows of in_proj) could otherwise
+            # be wrong within 0.1% of the whole weight's norm. fp32 reordering leaves each row within ~1e-6.
+            errors, sizes = (grads[name] - grad).flatten(1).norm(dim=1), grad.flatten(1).norm(dim=1)
+            bad = int(torch.argmax(errors - 1e-3 * sizes))
+            assert errors[bad] <= 1e-3 * sizes[bad] + 1e-10, (
+                f"grad {name} row {bad}: off by {errors[bad]:.3g}, its norm is {sizes[bad]:.3g}"
+            )
     # No layout may run silently replicated: each rank holds a fraction of the parameters (ZeRO-1 shards only
     # optimizer state).
     if sharded:
