@@ -71,6 +71,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # scales in_proj's pieces with a buffer and norms per group; Granite-4 has an ungated-name shared MLP and, as
     # released, one head group shared by every rank's heads).
     "mamba": ("MambaConfig", {"state_size": 4, "time_step_rank": 4, "pad_token_id": 0}),
+    # Linear-attention hybrids with their own kinds of mixer: MiniMax's lightning attention (per-head decay tables
+    # as buffers saved with the weights), Kimi Linear's delta attention (low-rank decay and output gates) beside
+    # latent attention.
+    "minimax": ("MiniMaxConfig", {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "kimi_linear": ("KimiLinearConfig", {"layer_types": ["linear_attention", "full_attention", "linear_attention",
+                                                         "full_attention"], "linear_num_heads": 4, "linear_head_dim": 8,
+                                         "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                         "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4,
+                                         "qk_nope_head_dim": 4, "v_head_dim": 8, "n_group": 1, "topk_group": 1,
+                                         "pad_token_id": 0}),
     "jamba": ("JambaConfig", {"num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 4, "mamba_dt_rank": 4,
                               "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
                               "expert_layer_offset": 1, "pad_token_id": 0}),

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_llmpar.tensor_parallel.entries import has_params as _has_params
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.ssm import MixerPlan
 from lightning_llmpar.tensor_parallel.styles import (
@@ -67,7 +68,7 @@ def plan_mla(full: str, module: nn.Module, tp: int, seq: bool) -> MixerPlan | No
     if not all(_linear(module, n) for n in (LATENT, "kv_b_proj", "o_proj", q)) or not isinstance(heads, int):
         return None
     parts = {n for n, c in module.named_children() if any(True for _ in c.parameters())}
-    if not isinstance(rotary, int) or parts - {*_WHOLE, q, "kv_b_proj", "o_proj"} or any(module.parameters(recurse=False)):
+    if not isinstance(rotary, int) or parts - {*_WHOLE, q, "kv_b_proj", "o_proj"} or _has_params(module):
         return None
     if heads % tp:
         raise ValueError(

@@ -28,6 +28,7 @@ from lightning_llmpar.tensor_parallel.entries import is_norm as _is_norm
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.entries import linear_like as _linear_like
 from lightning_llmpar.tensor_parallel.entries import own_parameter_message as _own_message
+from lightning_llmpar.tensor_parallel.lightning_attention import plan_lightning
 from lightning_llmpar.tensor_parallel.mla import LATENT, plan_mla
 from lightning_llmpar.tensor_parallel.moe import MoEPlanning, fused_experts
 from lightning_llmpar.tensor_parallel.outside import check_ties, plan_outside
@@ -189,8 +190,10 @@ class _Planner(MoEPlanning):
                     self.claimed.add(_join(full, n))
                     self.styles[_join(full, n)] = None
                 return None
+        elif full not in self.claimed:
+            mixer = plan_ssm(full, module, self.tp, self.seq) or plan_lightning(full, module, self.tp, self.seq)
         else:
-            mixer = plan_ssm(full, module, self.tp, self.seq) if full not in self.claimed else None
+            mixer = None
         if mixer is not None:
             for name, style in mixer.styles.items():
                 self._add(name, style, covered)

@@ -63,6 +63,9 @@ class _Layout:
     split: dict[str, Packing | None]  # the mixer's own parameters split along dim 0 -> their pieces, if packed
     counts: dict[str, dict[str, int]]  # relative module name ("": the mixer) -> attribute -> value per rank
     groups: SharedGroups | None = None  # Mamba-2 head groups shared by several ranks
+    # Down projections of low-rank gates: the column-split up projection after each sums its input's gradient over
+    # the ranks, so theirs arrives complete: plain (summing it again would double it).
+    plain: tuple[str, ...] = ()
 
 
 def _linears(module: nn.Module, *names: str) -> bool:
@@ -82,7 +85,9 @@ def plan_ssm(full: str, module: nn.Module, tp: int, seq: bool) -> MixerPlan | No
     if conv is None or out is None:
         return None
     mamba1 = _linears(module, "in_proj", "x_proj", "dt_proj")
-    if not _owned(module, "A_log"):
+    if isinstance(gate := getattr(module, "forget_gate", None), nn.Module) and _owned(gate, "A_log"):
+        layout = _kimi_delta(full, module, tp, out)
+    elif not _owned(module, "A_log"):
         if not _linears(module, "in_proj") or module.in_proj.out_features != 3 * conv.in_channels:
             return None
         layout = _short_conv(full, module, tp)
@@ -95,7 +100,8 @@ def plan_ssm(full: str, module: nn.Module, tp: int, seq: bool) -> MixerPlan | No
     if conv.groups != conv.in_channels:
         raise ValueError(f"'{full}' ({type(module).__name__}): its conv1d is not depthwise, so its channels cannot be split.")
     projections = (*layout.cols, "x_proj", out)
-    whole = tuple(n for n, _ in module.named_parameters() if n.rpartition(".")[0] not in projections and n not in layout.split)
+    whole = tuple(n for n, _ in module.named_parameters()
+                  if n.rpartition(".")[0] not in (*projections, *layout.plain) and n not in layout.split)
     plan = MixerPlan(counts={_join(full, n): c for n, c in layout.counts.items()})
     plan.styles[f"{full}#in"] = PrepareFirstInput(TOKEN if seq else Replicate(), Replicate())
     for name, packing in layout.cols.items():
@@ -177,7 +183,7 @@ def _mamba2(full: str, module: nn.Module, tp: int) -> _Layout:
                    "conv_dim": width // tp + 2 * local * state}}
     norm = getattr(module, "norm", None)
     if shared:  # the norm's group spans ranks: it sees the whole width as DTensors, with its whole counts
-        return _Layout({"in_proj": in_proj}, split, counts, SharedGroups(groups, state, in_proj, conv))
+        return _Layout({"in_proj": in_proj}, split, counts, SharedGroups(groups, state, in_proj))
     if isinstance(getattr(norm, "n_groups", None), int):
         counts["norm"] = {"n_groups": groups // tp}  # a gated norm that reads its own group count (Falcon-H1)
     split |= {"norm.weight": None} if _owned(module, "norm.weight") else {}
@@ -193,7 +199,6 @@ class SharedGroups:
     groups: int
     state: int
     in_proj: Packing  # [gate; x; B; C; dt]
-    conv: Packing  # [x; B; C]
 
     def _group(self, rank: int) -> int:
         return rank // (self.in_proj.tp // self.groups)
@@ -253,9 +258,35 @@ def _gated_delta(full: str, module: nn.Module, tp: int, out: str) -> _Layout:
     return _Layout(cols, {n: p for n, p in split.items() if _owned(module, n)}, {"": local})
 
 
+_KIMI_COLS = ("q_proj", "k_proj", "v_proj", "b_proj", "g_b_proj", "forget_gate.f_b_proj")
+_KIMI_PLAIN = ("g_a_proj", "forget_gate.f_a_proj")
+
+
+def _kimi_delta(full: str, module: nn.Module, tp: int, out: str) -> _Layout:
+    """Kimi delta attention (Kimi Linear): the gated delta rule with a per-channel decay, split by heads: q/k/v, the
+    beta projection and the up projections of its two low-rank gates (decay: ``forget_gate``; output: ``g_b_proj``);
+    their down projections stay plain."""
+    heads, dim = getattr(module, "num_heads", None), getattr(module, "head_dim", None)
+    linears = {n for n, c in module.named_modules() if isinstance(c, nn.Linear)} - {out}
+    if not isinstance(heads, int) or not isinstance(dim, int) or linears != {*_KIMI_COLS, *_KIMI_PLAIN}:
+        raise ValueError(
+            f"'{full}' ({type(module).__name__}) is a delta-rule mixer with a forget gate whose projections"
+            f" ({sorted(linears)}) tensor parallelism does not know how to split by heads. Train this model with"
+            " pipeline_parallel and/or zero_stage, which take it as it is, or without tensor parallelism."
+        )
+    _divisible(full, module, tp, heads=heads)
+    width = heads * dim
+    qkv = Packing(0, (width, width, width), tp)
+    split: dict[str, Packing | None] = {"conv1d.weight": qkv, "conv1d.bias": qkv, "forget_gate.dt_bias": None,
+                                        "forget_gate.A_log": Packing(2, (heads,), tp)}  # A_log: (1, 1, heads, 1)
+    local = {"num_heads": heads // tp, "qkv_dim": width // tp}
+    return _Layout({n: None for n in _KIMI_COLS}, {n: p for n, p in split.items() if _owned(module, n)},
+                   {"": {**local, "conv_dim": 3 * width // tp}, "forget_gate": local}, plain=_KIMI_PLAIN)
+
+
 class MixerParams(ParallelStyle):
-    """A mixer's own parameters: ``split`` along dim 0 (name -> packing of its pieces, or None), ``whole`` applied
-    to values every rank shares (gradient summed). The mixer's code runs on their local tensors. ``x_proj``'s
+    """A mixer's own parameters: ``split`` (name -> packing of its pieces along its dim, or None: dim 0), ``whole``
+    applied to values every rank shares (gradient summed). The mixer's code runs on their local tensors. ``x_proj``'s
     output, when it has one, is shared by every rank's channels: its gradient is summed. With ``groups`` (Mamba-2
     head groups shared by several ranks) the mixer sees its group's B and C in in_proj's output and conv1d."""
 
@@ -274,11 +305,10 @@ class MixerParams(ParallelStyle):
         for name in (*self.split, *self.whole):
             owner, _, leaf = name.rpartition(".")
             holder = module.get_submodule(owner) if owner else module
-            placement = Shard(0) if name in self.split else Replicate()
-            holder.register_parameter(leaf, _distribute(holder._parameters[leaf], device_mesh, placement, self.split.get(name)))
-        rank = device_mesh.get_local_rank()
-
-        groups = self.groups
+            packing = self.split.get(name)
+            placement = Shard(packing.dim if packing is not None else 0) if name in self.split else Replicate()
+            holder.register_parameter(leaf, _distribute(holder._parameters[leaf], device_mesh, placement, packing))
+        rank, groups = device_mesh.get_local_rank(), self.groups
 
         def local(name: str, tensor: Any) -> Any:
             if name in self.buffers:  # whole in the module (initialized, saved and loaded whole); its code sees its cut
@@ -306,7 +336,8 @@ class MixerParams(ParallelStyle):
 
         module.get_submodule(self.out).register_forward_hook(lambda *_: calls.append(True))
         if groups is not None:
-            module.in_proj.register_forward_hook(lambda _m, _a, out: groups.regroup(out, groups.in_proj, device_mesh, -1))
+            regroup = groups.regroup
+            module.in_proj.register_forward_hook(lambda _m, _a, out: regroup(out, groups.in_proj, device_mesh, -1))
         if isinstance(getattr(module, "x_proj", None), nn.Module):
             module.x_proj.register_forward_hook(lambda _m, _a, out: _identity_forward_sum_backward(out, device_mesh))
         module.register_forward_hook(check)

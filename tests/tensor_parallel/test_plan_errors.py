@@ -385,3 +385,22 @@ def test_latent_attention_splits_by_heads_with_its_latents_whole() -> None:
     # A sparse-attention indexer beside the latents is not split: the attention is kept whole.
     sparse = infer_tp_plan(_latent("DeepseekV32Config"), 2)
     assert all(sparse.styles[n] is None for n in sparse.styles if n.startswith(attn + ".") or n == attn)
+
+
+def test_lightning_and_kimi_delta_attention_split_by_heads() -> None:
+    transformers = pytest.importorskip("transformers")
+    from tests.zoo import make_config
+
+    minimax = infer_tp_plan(transformers.AutoModelForCausalLM.from_config(make_config("minimax")), 2)
+    attn = "model.layers.1.self_attn"  # lightning attention: per-head decay tables, head dim where each has it
+    buffers = minimax.styles[f"{attn}#params"].buffers
+    assert {n: p.dim for n, p in buffers.items()} == {"slope_rate": 0, "query_decay": 0, "key_decay": 0, "diagonal_decay": 1}
+    assert minimax.local_counts[attn] == {"num_attention_heads": 2}
+    kimi = infer_tp_plan(transformers.AutoModelForCausalLM.from_config(make_config("kimi_linear")), 2)
+    delta = "model.layers.0.self_attn"
+    assert kimi.packings[f"{delta}.forget_gate.A_log"].dim == 2  # (1, 1, heads, 1)
+    assert kimi.styles[f"{delta}.forget_gate.f_b_proj"].kind == "col"
+    # The gates' down projections stay plain: their gradient arrives complete through the up projections.
+    assert kimi.styles.get(f"{delta}.g_a_proj") is None and kimi.styles.get(f"{delta}.forget_gate.f_a_proj") is None
+    assert "g_a_proj.weight" not in kimi.styles[f"{delta}#params"].whole
+    assert kimi.local_counts[f"{delta}.forget_gate"] == {"num_heads": 2, "qkv_dim": 16}
