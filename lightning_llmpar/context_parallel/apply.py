@@ -33,10 +33,13 @@ def _takes(module: nn.Module, name: str) -> int | None:
 
 def check_sequence_mixers(module: nn.Module) -> None:
     """Refuse a model that mixes tokens along the sequence outside attention: a convolution over it (Mamba's,
-    LFM2's short convolution) or a recurrent scan (a module holding its state's decay, ``A_log``: Mamba, gated delta
-    rule). Ring and Ulysses attention carry neither across ranks, so each rank's part would start from nothing."""
+    LFM2's short convolution) or a recurrent scan (a module holding its state's decay: ``A_log`` in Mamba and the
+    gated delta rule, ``slope_rate`` and the ``*_decay`` tables in MiniMax's lightning attention, RWKV's
+    ``time_decay``). Ring and Ulysses attention carry neither across ranks, so each rank's part would start from
+    nothing. (A model mixing them with SDPA layers still calls SDPA, so the first step's check cannot tell.)"""
     for name, sub in module.named_modules():
-        if isinstance(sub, nn.Conv1d) or isinstance(sub._parameters.get("A_log"), nn.Parameter):
+        held = {*sub._parameters, *sub._buffers}
+        if isinstance(sub, nn.Conv1d) or held & {"A_log", "slope_rate"} or any("decay" in n for n in held):
             raise ValueError(
                 f"context_parallel gives each rank part of every sequence, but '{name}' ({type(sub).__name__}) mixes"
                 " tokens along the sequence outside attention (a convolution or a recurrent scan, as Mamba and"

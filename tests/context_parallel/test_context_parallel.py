@@ -142,7 +142,9 @@ def test_sliding_window_attention_is_refused() -> None:
 
 @pytest.mark.parametrize(("name", "where"), [("bamba", r"'model.layers.0.mamba' \(BambaMixer\)"),
                                            ("qwen3_5_moe", r"'model.layers.0.linear_attn' \(Qwen3_5MoeGatedDeltaNet\)"),
-                                           ("lfm2", r"'model.layers.0.conv.conv' \(Conv1d\)")])
+                                           ("lfm2", r"'model.layers.0.conv.conv' \(Conv1d\)"),
+                                           # No A_log, no convolution: per-head decay tables; SDPA in other layers.
+                                           ("minimax", r"'model.layers.1.self_attn' \(MiniMaxLightningAttention\)")])
 def test_sequence_mixers_outside_attention_are_refused(name: str, where: str) -> None:
     # A recurrent scan or a convolution over the sequence would start each rank's part from nothing: wrong results.
     from transformers import AutoModelForCausalLM
