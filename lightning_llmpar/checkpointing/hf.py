@@ -97,15 +97,16 @@ class _Source:
     dim: int = 1
 
 
-def _conversions(model: nn.Module, files: _Files) -> dict[str, _Source]:
+def _conversions(model: nn.Module, files: _Files) -> tuple[dict[str, _Source], list[str]]:
     """Model key -> source for checkpoints saved in another layout, from transformers' own conversion mapping:
     renamed keys (Mixtral's ``block_sparse_moe`` -> ``mlp``) and per-expert tensors stacked and concatenated
-    into fused experts (MergeModulelist + Concatenate). Other conversions are not sliceable here."""
+    into fused experts (MergeModulelist + Concatenate). Other conversions are not sliceable here: the second
+    value names those the checkpoint needs (Kimi Linear's q/k/v convolutions joined into one)."""
     try:
         from transformers.conversion_mapping import extract_weight_conversions_for_model
         from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
     except ImportError:
-        return {}
+        return {}, []
     transforms = extract_weight_conversions_for_model(model) or []
     renames = [t for t in transforms if isinstance(t, WeightRenaming) and not isinstance(t, WeightConverter)]
     renamed: dict[str, str] = {}
@@ -116,9 +117,13 @@ def _conversions(model: nn.Module, files: _Files) -> dict[str, _Source]:
                 new = re.sub(src, tgt, new)
         renamed[key] = new
     out = {new: _Source(key=key) for key, new in renamed.items() if new != key}
+    skipped: list[str] = []
     for conv in (t for t in transforms if isinstance(t, WeightConverter)):
         ops = list(conv.operations)
         if not ops or not isinstance(ops[0], MergeModulelist) or any(not isinstance(o, Concatenate) for o in ops[1:]):
+            sources = [re.compile(re.escape(p).replace(r"\*", r"\d+") + "$") for p in conv.source_patterns]
+            if any(p.search(new) for p in sources for new in renamed.values()):
+                skipped.append(f"{', '.join(conv.source_patterns)} -> {', '.join(conv.target_patterns)}")
             continue
         dim = ops[1].dim if len(ops) > 1 else 1
         pieces = [re.compile(re.escape(p).replace(r"\*", r"(\d+)") + "$") for p in conv.source_patterns]
@@ -133,7 +138,7 @@ def _conversions(model: nn.Module, files: _Files) -> dict[str, _Source]:
                 expert = int(match.group(1))
                 slots.extend([""] * (expert + 1 - len(slots)))
                 slots[expert] = key
-    return out
+    return out, skipped
 
 
 def _regions(tensor: Tensor, packing: Packing | None) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], Tensor]]:
@@ -209,10 +214,19 @@ def load_hf_checkpoint(
     prefix, model = _single_model(module)
     problems = _config_problems(model, path)
     files = _Files(path)
-    converted = _conversions(model, files) if not problems else {}
+    converted, skipped = _conversions(model, files) if not problems else ({}, [])
     ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
-    fill_from_files(module, prefix, files, problems, converted, _tied_targets(model), packings or {}, aliases or {},
-                    ignore, f"hf_checkpoint={str(directory)!r} does not fit {type(model).__name__}")
+    try:
+        fill_from_files(module, prefix, files, problems, converted, _tied_targets(model), packings or {},
+                        aliases or {}, ignore, f"hf_checkpoint={str(directory)!r} does not fit {type(model).__name__}")
+    except ValueError as error:
+        if not skipped:
+            raise
+        raise ValueError(
+            f"{error} The checkpoint is saved in a layout transformers converts while loading ({'; '.join(skipped)}),"
+            " which hf_checkpoint cannot read per rank. Load this model with from_pretrained in your LightningModule"
+            " instead (each rank reads the whole checkpoint), or save it in the model's own layout first."
+        ) from None
 
 
 def fill_from_files(

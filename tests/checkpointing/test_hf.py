@@ -113,6 +113,17 @@ def test_missing_directory_and_other_model_are_refused(pretrained: dict[str, Any
     assert "ValueError" in error and "config.json has model_type='gpt2' but the model has 'llama'" in error, error
 
 
+def test_checkpoint_in_a_layout_transformers_converts_names_the_fix(tmp_path: Path) -> None:
+    # Kimi Linear saves its q/k/v convolutions apart; transformers joins them while loading, which a per-rank read
+    # of regions cannot do: refused with from_pretrained as the fix.
+    from lightning_llmpar.checkpointing.hf import load_hf_checkpoint
+    from tests.zoo import HFCausalLM
+
+    save_pretrained("kimi_linear", str(tmp_path / "kimi"))
+    with pytest.raises(ValueError, match=r"is missing.*q_conv1d.weight.*-> self_attn.conv1d.weight.*from_pretrained"):
+        load_hf_checkpoint(HFCausalLM("kimi_linear"), tmp_path / "kimi")
+
+
 def test_checkpoints_of_split_fused_and_tied_weights_reshard(tmp_path: Path) -> None:
     # Saved with fused projections split per piece (tp2) and tied weights copied per stage (pp2), resumed in
     # another layout with AdamW (optimizer state too): the run continues exactly like one process's.
