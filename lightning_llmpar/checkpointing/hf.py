@@ -17,7 +17,6 @@ import json
 import re
 import shutil
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from lightning.pytorch import Callback
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_llmpar.checkpointing.conversions import Source, conversions, read, source_shape
 from lightning_llmpar.modeling.materialize import pretrained_models
 from lightning_llmpar.tensor_parallel.packing import Packing, canonical_regions, local_region, to_canonical
 
@@ -88,59 +88,6 @@ class _Files:
         return self._open[file]
 
 
-@dataclass
-class _Source:
-    """Where a model tensor comes from: a file tensor, or per-expert file tensors stacked (legacy MoE)."""
-
-    key: str | None = None
-    experts: list[list[str]] | None = None  # [piece][expert] -> file key, pieces concatenated along ``dim``
-    dim: int = 1
-
-
-def _conversions(model: nn.Module, files: _Files) -> tuple[dict[str, _Source], list[str]]:
-    """Model key -> source for checkpoints saved in another layout, from transformers' own conversion mapping:
-    renamed keys (Mixtral's ``block_sparse_moe`` -> ``mlp``) and per-expert tensors stacked and concatenated
-    into fused experts (MergeModulelist + Concatenate). Other conversions are not sliceable here: the second
-    value names those the checkpoint needs (Kimi Linear's q/k/v convolutions joined into one)."""
-    try:
-        from transformers.conversion_mapping import extract_weight_conversions_for_model
-        from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
-    except ImportError:
-        return {}, []
-    transforms = extract_weight_conversions_for_model(model) or []
-    renames = [t for t in transforms if isinstance(t, WeightRenaming) and not isinstance(t, WeightConverter)]
-    renamed: dict[str, str] = {}
-    for key in files.where:
-        new = key
-        for r in renames:
-            for src, tgt in zip(r.source_patterns, r.target_patterns):
-                new = re.sub(src, tgt, new)
-        renamed[key] = new
-    out = {new: _Source(key=key) for key, new in renamed.items() if new != key}
-    skipped: list[str] = []
-    for conv in (t for t in transforms if isinstance(t, WeightConverter)):
-        ops = list(conv.operations)
-        if not ops or not isinstance(ops[0], MergeModulelist) or any(not isinstance(o, Concatenate) for o in ops[1:]):
-            sources = [re.compile(re.escape(p).replace(r"\*", r"\d+") + "$") for p in conv.source_patterns]
-            if any(p.search(new) for p in sources for new in renamed.values()):
-                skipped.append(f"{', '.join(conv.source_patterns)} -> {', '.join(conv.target_patterns)}")
-            continue
-        dim = ops[1].dim if len(ops) > 1 else 1
-        pieces = [re.compile(re.escape(p).replace(r"\*", r"(\d+)") + "$") for p in conv.source_patterns]
-        for key, new in renamed.items():
-            for i, pattern in enumerate(pieces):
-                match = pattern.search(new)
-                if match is None:
-                    continue
-                source = out.setdefault(new[: match.start()] + conv.target_patterns[0],
-                                        _Source(experts=[[] for _ in pieces], dim=dim))
-                slots = source.experts[i]  # type: ignore[index]
-                expert = int(match.group(1))
-                slots.extend([""] * (expert + 1 - len(slots)))
-                slots[expert] = key
-    return out, skipped
-
-
 def _regions(tensor: Tensor, packing: Packing | None) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], Tensor]]:
     """(canonical offsets, sizes, local view) for every piece of this rank's data of ``tensor``."""
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -153,37 +100,6 @@ def _regions(tensor: Tensor, packing: Packing | None) -> Iterator[tuple[tuple[in
         for d, (begin, length) in enumerate(zip(start, size)):
             view = view.narrow(d, begin, length)
         yield canon, size, view
-
-
-def _read(files: _Files, source: _Source, canon: tuple[int, ...], size: tuple[int, ...]) -> Tensor:
-    region = tuple(slice(o, o + s) for o, s in zip(canon, size))
-    if source.key is not None:
-        return files.read(source.key, region)
-    # Legacy MoE: target (experts, rows, cols) = stack over experts of [piece 0; piece 1; ...] along source.dim.
-    assert source.experts is not None
-    rows_of = [files.shape(keys[0])[source.dim - 1] for keys in source.experts]
-    out = []
-    for e in range(canon[0], canon[0] + size[0]):
-        parts, start = [], 0
-        for keys, rows in zip(source.experts, rows_of):
-            lo, hi = max(canon[source.dim], start), min(canon[source.dim] + size[source.dim], start + rows)
-            if lo < hi:
-                sub = list(region[1:])
-                sub[source.dim - 1] = slice(lo - start, hi - start)
-                parts.append(files.read(keys[e], tuple(sub)))
-            start += rows
-        out.append(torch.cat(parts, dim=source.dim - 1))
-    return torch.stack(out)
-
-
-def _source_shape(files: _Files, source: _Source) -> tuple[int, ...]:
-    if source.key is not None:
-        return files.shape(source.key)
-    assert source.experts is not None
-    shapes = [files.shape(keys[0]) for keys in source.experts]
-    merged = list(shapes[0])
-    merged[source.dim - 1] = sum(s[source.dim - 1] for s in shapes)
-    return (len(source.experts[0]), *merged)
 
 
 def _hf_names(module: nn.Module, prefix: str, aliases: Mapping[str, str]) -> dict[str, str]:
@@ -214,7 +130,7 @@ def load_hf_checkpoint(
     prefix, model = _single_model(module)
     problems = _config_problems(model, path)
     files = _Files(path)
-    converted, skipped = _conversions(model, files) if not problems else ({}, [])
+    converted, skipped = conversions(model, files) if not problems else ({}, [])
     ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
     try:
         fill_from_files(module, prefix, files, problems, converted, _tied_targets(model), packings or {},
@@ -234,7 +150,7 @@ def fill_from_files(
     prefix: str,
     files: Any,
     problems: list[str],
-    converted: Mapping[str, _Source],
+    converted: Mapping[str, Source],
     tied: Mapping[str, str],
     packings: Mapping[str, Packing],
     aliases: Mapping[str, str],
@@ -243,23 +159,23 @@ def fill_from_files(
 ) -> None:
     """Fill the parameters (and stored buffers) under ``prefix`` from a checkpoint's ``files`` (``where``, ``shape``,
     ``read``), each rank reading the canonical regions it holds; problems are agreed on by every rank first."""
-    plan: list[tuple[Tensor, _Source, Packing | None]] = []
+    plan: list[tuple[Tensor, Source, Packing | None]] = []
     needed: set[str] = set()
     params = dict(module.named_parameters(remove_duplicate=False))
     for name, key in _hf_names(module, prefix, aliases).items():
         tensor = params[name] if name in params else module.get_buffer(name)
         file_key = key if key in files.where else tied.get(key, key)
-        source = _Source(key=file_key) if file_key in files.where else converted.get(key)
+        source = Source(key=file_key) if file_key in files.where else converted.get(key)
         if source is None:
             if name not in params:
                 continue  # a buffer the checkpoint does not store keeps its initialized value
             problems.append(f"tensor '{key}' (parameter '{name}', shape {tuple(tensor.shape)}) is missing")
             continue
-        shape = _source_shape(files, source)
+        shape = source_shape(files, source)
         if shape != tuple(tensor.shape):
             problems.append(f"tensor '{key}' has shape {shape} in the checkpoint but {tuple(tensor.shape)} in the model")
             continue
-        needed.update([source.key] if source.key else [k for keys in source.experts or [] for k in keys])
+        needed.update(source.keys())
         plan.append((tensor, source, packings.get(name)))
     problems += _unexpected(files, needed, ignore)
     problems = _agree(problems)
@@ -267,7 +183,7 @@ def fill_from_files(
         raise ValueError(f"{what}: " + "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "") + ".")
     for tensor, source, packing in plan:
         for canon, size, view in _regions(tensor, packing):
-            view.copy_(_read(files, source, canon, size))
+            view.copy_(read(files, source, canon, size))
 
 
 def _config_problems(model: nn.Module, path: Path) -> list[str]:

@@ -13,9 +13,10 @@ from tests.zoo import fit_cases, logits_of, save_pretrained
 
 pytest.importorskip("transformers")
 
-MODELS = ["llama_tied", "phi3_gqa", "mixtral", "gpt2", "gpt_oss", "bamba", "qwen3_5_moe"]  # tied, fused q/k/v + gate/up,
-# legacy MoE files, Conv1D, per-head sinks and experts with biases and interleaved gate/up columns, Mamba-2 mixers (five
-# pieces packed in in_proj, init code copying whole per-head values), gated delta-rule mixers (packed q/k/v)
+MODELS = ["llama_tied", "phi3_gqa", "mixtral", "gpt2", "gpt_oss", "bamba", "qwen3_5_moe", "kimi_linear"]  # tied, fused
+# q/k/v + gate/up, legacy MoE files, Conv1D, per-head sinks and experts with biases and interleaved gate/up columns,
+# Mamba-2 mixers (five pieces packed in in_proj, init code copying whole per-head values), gated delta-rule mixers
+# (packed q/k/v), files in another layout (Kimi Linear: q/k/v convolutions saved apart, renamed gate parts)
 LAYOUTS = {"tp2": ({"tensor_parallel": 2}, 2), "tp2-pp2": ({"tensor_parallel": 2, "pipeline_parallel": 2}, 4)}
 STEPS, BATCH = 3, 8
 
@@ -113,12 +114,22 @@ def test_missing_directory_and_other_model_are_refused(pretrained: dict[str, Any
     assert "ValueError" in error and "config.json has model_type='gpt2' but the model has 'llama'" in error, error
 
 
-def test_checkpoint_in_a_layout_transformers_converts_names_the_fix(tmp_path: Path) -> None:
-    # Kimi Linear saves its q/k/v convolutions apart; transformers joins them while loading, which a per-rank read
-    # of regions cannot do: refused with from_pretrained as the fix.
+def test_checkpoint_in_a_layout_not_read_per_rank_names_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A conversion transformers applies while loading that a per-rank read of regions cannot (here Kimi Linear's
+    # q/k/v convolutions, joined by a transpose instead of a concatenation): refused with from_pretrained as the fix.
+    import transformers.conversion_mapping as mapping
+    from transformers.core_model_loading import Transpose, WeightConverter
+
     from lightning_llmpar.checkpointing.hf import load_hf_checkpoint
     from tests.zoo import HFCausalLM
 
+    declared = mapping.extract_weight_conversions_for_model
+
+    def other_layout(model: Any, *args: Any, **kwargs: Any) -> Any:
+        return [WeightConverter(t.source_patterns, t.target_patterns, operations=[Transpose(0, 1)])
+                if "conv1d" in str(t.target_patterns) else t for t in declared(model, *args, **kwargs)]
+
+    monkeypatch.setattr(mapping, "extract_weight_conversions_for_model", other_layout)
     save_pretrained("kimi_linear", str(tmp_path / "kimi"))
     with pytest.raises(ValueError, match=r"is missing.*q_conv1d.weight.*-> self_attn.conv1d.weight.*from_pretrained"):
         load_hf_checkpoint(HFCausalLM("kimi_linear"), tmp_path / "kimi")
