@@ -1,6 +1,6 @@
 """Tensor parallelism for recurrent and convolutional mixers: selective state-space (Mamba) mixers (Mamba,
 FalconMamba, Jamba's Mamba layers: Mamba-1; Mamba-2 and its hybrids), gated delta-rule linear attention (Qwen3-Next,
-Qwen3.5, OLMo-Hybrid) and gated short convolutions (LFM2).
+Qwen3.5, OLMo-Hybrid; Kimi Linear's with low-rank gates) and gated short convolutions (LFM2).
 
 A mixer's inner channels play the part of attention heads: each channel (Mamba-2: each head) has its own
 convolution and its own scan, so a rank keeps its share of them in ``in_proj``, ``conv1d`` (depthwise),
@@ -18,6 +18,8 @@ convolution and its own scan, so a rank keeps its share of them in ``in_proj``, 
   (their gradients, partial per rank, reduce-scattered back); the gated norm's statistic spans ranks (DTensor).
 - Gated delta rule: split by key heads, each with its value heads; nothing crosses ranks before ``out_proj``.
   The gated norm's weight, one value per feature of a head and shared by all heads, stays whole (gradient summed).
+- Kimi delta attention: as the gated delta rule, by heads; its low-rank gates split their up projections and keep
+  their down projections plain (the up projection sums its input's gradient, so theirs arrives complete).
 - Short convolution: in_proj's [B; C; x] and the depthwise convolution split by channels.
 """
 
@@ -60,7 +62,7 @@ class MixerPlan:
 @dataclass
 class _Layout:
     cols: dict[str, Packing | None]  # the input projections (column split) -> their pieces, if packed
-    split: dict[str, Packing | None]  # the mixer's own parameters split along dim 0 -> their pieces, if packed
+    split: dict[str, Packing | None]  # the mixer's own parameters split -> their pieces and dim (None: dim 0, whole)
     counts: dict[str, dict[str, int]]  # relative module name ("": the mixer) -> attribute -> value per rank
     groups: SharedGroups | None = None  # Mamba-2 head groups shared by several ranks
     # Down projections of low-rank gates: the column-split up projection after each sums its input's gradient over
