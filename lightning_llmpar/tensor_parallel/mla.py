@@ -1,5 +1,5 @@
-"""Tensor parallelism for multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, MiniCPM3, GLM-4.7-Flash, Youtu): split
-by heads, as Megatron splits it.
+"""Tensor parallelism for multi-head latent attention (DeepSeek-V2/V3/V3.2, Kimi-K2, MiniCPM3, GLM-4.7-Flash, GLM-5,
+Youtu): split by heads, as Megatron splits it.
 
 Each head reads two shared low-rank latents: the query's (``q_a_proj`` -> ``q_a_layernorm``) and the key/value's
 (``kv_a_proj_with_mqa``: the compressed key/value, then ``kv_a_layernorm``, and one rotary key slice every head
@@ -34,8 +34,9 @@ __all__ = ["LATENT", "SharedRotaryKey", "plan_mla"]
 
 # The child that marks a multi-head latent attention: it makes the key/value latent and the shared rotary key.
 LATENT = "kv_a_proj_with_mqa"
-# Its parts that run whole: the down projections to the latents and the latents' norms.
-_WHOLE = ("q_a_proj", "q_a_layernorm", LATENT, "kv_a_layernorm")
+# Its parts that run whole: the down projections to the latents, the latents' norms, and the sparse-attention
+# indexer of DeepSeek-V3.2 and GLM-5 (it runs without gradients and picks the same tokens on every rank).
+_WHOLE = ("q_a_proj", "q_a_layernorm", LATENT, "kv_a_layernorm", "indexer")
 _HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads")
 
 
@@ -62,7 +63,7 @@ def _linear(module: nn.Module, name: str) -> bool:
 
 def plan_mla(full: str, module: nn.Module, tp: int, seq: bool) -> MixerPlan | None:
     """The plan of ``module`` if it is a multi-head latent attention made only of the parts above, else None (kept
-    whole: a sparse-attention indexer or per-head gates besides them are not split)."""
+    whole: per-head gates or sinks besides them are not split)."""
     q = "q_proj" if _linear(module, "q_proj") else "q_b_proj"
     heads, rotary = getattr(module, "num_heads", None), getattr(module, "qk_rope_head_dim", None)
     if not all(_linear(module, n) for n in (LATENT, "kv_b_proj", "o_proj", q)) or not isinstance(heads, int):

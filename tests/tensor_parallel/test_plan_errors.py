@@ -382,9 +382,16 @@ def test_latent_attention_splits_by_heads_with_its_latents_whole() -> None:
         infer_tp_plan(_latent("DeepseekV3Config"), 8)
     with pytest.raises(ValueError, match=r"tp_plan names 'model.layers.0.self_attn.q_b_proj'.*multi-head latent attention"):
         infer_tp_plan(_latent("DeepseekV3Config"), 2, user_plan={f"{attn}.q_b_proj": "colwise"})
-    # A sparse-attention indexer beside the latents is not split: the attention is kept whole.
+    # A sparse-attention indexer (no gradients) runs whole beside the split heads.
     sparse = infer_tp_plan(_latent("DeepseekV32Config"), 2)
-    assert all(sparse.styles[n] is None for n in sparse.styles if n.startswith(attn + ".") or n == attn)
+    assert sparse.styles[f"{attn}.kv_b_proj"].kind == "col"
+    assert not any(n.startswith(f"{attn}.indexer") for n, style in sparse.styles.items() if style is not None)
+    # A part the split does not know (a per-head gate, as HY-V4 and dots3 have): the attention is kept whole.
+    gated = _latent("DeepseekV3Config")
+    for layer in gated.model.layers:
+        layer.self_attn.g_proj = nn.Linear(32, 4, bias=False)
+    whole = infer_tp_plan(gated, 2)
+    assert all(whole.styles[n] is None for n in whole.styles if n.startswith(attn + ".") or n == attn)
 
 
 def test_lightning_and_kimi_delta_attention_split_by_heads() -> None:
