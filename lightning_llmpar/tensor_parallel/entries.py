@@ -99,8 +99,8 @@ def is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower() and not any(True for _ in module.children())
 
 
-def has_params(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters(recurse=False))
+def has_params(module: nn.Module, recurse: bool = False) -> bool:
+    return any(True for _ in module.parameters(recurse=recurse))
 
 
 def own_parameter_message(module: nn.Module, full: str, name: str, by: str) -> str:

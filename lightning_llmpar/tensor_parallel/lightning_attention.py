@@ -10,43 +10,34 @@ features is split with them, its statistic reduced over the ranks (DTensor).
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import Replicate
 
-from lightning_llmpar.tensor_parallel.entries import has_params as _has_params
+from lightning_llmpar.tensor_parallel.entries import has_params
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.packing import Packing
 from lightning_llmpar.tensor_parallel.param_styles import ShardedNorm
-from lightning_llmpar.tensor_parallel.ssm import MixerParams, MixerPlan
-from lightning_llmpar.tensor_parallel.styles import TOKEN, PrepareFirstInput, SplitLinear
+from lightning_llmpar.tensor_parallel.ssm import MixerParams, MixerPlan, divisible_heads, linears, region
 
 __all__ = ["plan_lightning"]
 
 _PARTS = ("qkv_proj", "output_gate", "out_proj")
 
 
-def _holds(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
-
-
 def plan_lightning(full: str, module: nn.Module, tp: int, seq: bool) -> MixerPlan | None:
     """The plan of ``module`` if it is a lightning attention (``qkv_proj``, ``output_gate``, ``out_proj`` and a
     ``slope_rate`` decay buffer), else None."""
     heads = getattr(module, "num_attention_heads", None)
-    if not all(isinstance(getattr(module, n, None), nn.Linear) for n in _PARTS) or "slope_rate" not in module._buffers:
+    if not linears(module, *_PARTS) or "slope_rate" not in module._buffers:
         return None
     norm = getattr(module, "norm", None)
-    others = [n for n, c in module.named_children() if n not in _PARTS and c is not norm and _holds(c)]
-    if not isinstance(heads, int) or others or _has_params(module):
+    others = [n for n, c in module.named_children()
+              if n not in _PARTS and c is not norm and has_params(c, recurse=True)]
+    if not isinstance(heads, int) or others or has_params(module):
         raise ValueError(
             f"'{full}' ({type(module).__name__}) is a lightning attention with parts tensor parallelism does not know"
             f" how to split by heads ({others or 'its own parameters'}). Train this model with pipeline_parallel"
             " and/or zero_stage, which take it as it is, or without tensor parallelism."
         )
-    if heads % tp:
-        raise ValueError(
-            f"Attention module '{full}' ({type(module).__name__}): {heads} heads not divisible by"
-            f" tensor_parallel({tp}). Use a tensor_parallel degree that divides the head count."
-        )
+    divisible_heads(full, module, heads, tp)
     buffers: dict[str, Packing] = {}
     for name, buffer in module.named_buffers(recurse=False):
         dims = [d for d, size in enumerate(buffer.shape) if size == heads]
@@ -57,12 +48,9 @@ def plan_lightning(full: str, module: nn.Module, tp: int, seq: bool) -> MixerPla
                 " tensor parallelism."
             )
         buffers[name] = Packing(dims[0], (heads,), tp)
-    plan = MixerPlan(counts={full: {"num_attention_heads": heads // tp}})
-    plan.styles[f"{full}#in"] = PrepareFirstInput(TOKEN if seq else Replicate(), Replicate())
-    for name in ("qkv_proj", "output_gate"):
-        plan.styles[_join(full, name)] = SplitLinear("col")
-    plan.styles[_join(full, "out_proj")] = SplitLinear("row", output=TOKEN if seq else Replicate())
-    if norm is not None and _holds(norm):
+    plan = region(full, module, {"qkv_proj": None, "output_gate": None}, "out_proj", seq)
+    plan.counts[full] = {"num_attention_heads": heads // tp}
+    if norm is not None and has_params(norm, recurse=True):
         plan.styles[_join(full, "norm")] = ShardedNorm()
     plan.styles[f"{full}#params"] = MixerParams({}, (), buffers, "out_proj")
     return plan

@@ -17,18 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_llmpar.tensor_parallel.entries import has_params as _has_params
+from lightning_llmpar.tensor_parallel.entries import has_params
 from lightning_llmpar.tensor_parallel.entries import join as _join
-from lightning_llmpar.tensor_parallel.ssm import MixerPlan
-from lightning_llmpar.tensor_parallel.styles import (
-    TOKEN,
-    PrepareFirstInput,
-    SplitLinear,
-    _identity_forward_sum_backward,
-)
+from lightning_llmpar.tensor_parallel.ssm import MixerPlan, divisible_heads, linears, region
+from lightning_llmpar.tensor_parallel.styles import _identity_forward_sum_backward
 
 __all__ = ["LATENT", "SharedRotaryKey", "plan_mla"]
 
@@ -57,30 +51,19 @@ class SharedRotaryKey(ParallelStyle):
         return module
 
 
-def _linear(module: nn.Module, name: str) -> bool:
-    return isinstance(getattr(module, name, None), nn.Linear)
-
-
 def plan_mla(full: str, module: nn.Module, tp: int, seq: bool) -> MixerPlan | None:
     """The plan of ``module`` if it is a multi-head latent attention made only of the parts above, else None (kept
     whole: per-head gates or sinks besides them are not split)."""
-    q = "q_proj" if _linear(module, "q_proj") else "q_b_proj"
+    q = "q_proj" if linears(module, "q_proj") else "q_b_proj"
     heads, rotary = getattr(module, "num_heads", None), getattr(module, "qk_rope_head_dim", None)
-    if not all(_linear(module, n) for n in (LATENT, "kv_b_proj", "o_proj", q)) or not isinstance(heads, int):
+    if not linears(module, LATENT, "kv_b_proj", "o_proj", q) or not isinstance(heads, int):
         return None
-    parts = {n for n, c in module.named_children() if any(True for _ in c.parameters())}
-    if not isinstance(rotary, int) or parts - {*_WHOLE, q, "kv_b_proj", "o_proj"} or _has_params(module):
+    parts = {n for n, c in module.named_children() if has_params(c, recurse=True)}
+    if not isinstance(rotary, int) or parts - {*_WHOLE, q, "kv_b_proj", "o_proj"} or has_params(module):
         return None
-    if heads % tp:
-        raise ValueError(
-            f"Attention module '{full}' ({type(module).__name__}): {heads} heads not divisible by"
-            f" tensor_parallel({tp}). Use a tensor_parallel degree that divides the head count."
-        )
-    plan = MixerPlan(counts={full: _local_counts(module, heads, tp)})
-    plan.styles[f"{full}#in"] = PrepareFirstInput(TOKEN if seq else Replicate(), Replicate())
-    for name in (q, "kv_b_proj"):
-        plan.styles[_join(full, name)] = SplitLinear("col")
-    plan.styles[_join(full, "o_proj")] = SplitLinear("row", output=TOKEN if seq else Replicate())
+    divisible_heads(full, module, heads, tp)
+    plan = region(full, module, {q: None, "kv_b_proj": None}, "o_proj", seq)
+    plan.counts[full] = _local_counts(module, heads, tp)
     plan.styles[_join(full, LATENT)] = SharedRotaryKey(rotary)
     return plan
 

@@ -46,7 +46,7 @@ from lightning_llmpar.tensor_parallel.styles import (
     _local_params_in_forward,
 )
 
-__all__ = ["MixerParams", "MixerPlan", "SharedGroups", "plan_ssm"]
+__all__ = ["MixerParams", "MixerPlan", "SharedGroups", "divisible_heads", "linears", "plan_ssm", "region"]
 
 
 @dataclass
@@ -70,7 +70,7 @@ class _Layout:
     plain: tuple[str, ...] = ()
 
 
-def _linears(module: nn.Module, *names: str) -> bool:
+def linears(module: nn.Module, *names: str) -> bool:
     return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
 
 
@@ -83,17 +83,17 @@ def _owned(module: nn.Module, name: str) -> bool:
 def plan_ssm(full: str, module: nn.Module, tp: int, seq: bool) -> MixerPlan | None:
     """The plan of ``module`` if it is a Mamba or gated-delta mixer (found by its parts' reference names), else None."""
     conv = next((c for n in ("conv1d", "conv") if isinstance(c := getattr(module, n, None), nn.Conv1d)), None)
-    out = next((n for n in ("out_proj", "o_proj") if _linears(module, n)), None)
+    out = next((n for n in ("out_proj", "o_proj") if linears(module, n)), None)
     if conv is None or out is None:
         return None
-    mamba1 = _linears(module, "in_proj", "x_proj", "dt_proj")
+    mamba1 = linears(module, "in_proj", "x_proj", "dt_proj")
     if isinstance(gate := getattr(module, "forget_gate", None), nn.Module) and _owned(gate, "A_log"):
         layout = _kimi_delta(full, module, tp, out)
     elif not _owned(module, "A_log"):
-        if not _linears(module, "in_proj") or module.in_proj.out_features != 3 * conv.in_channels:
+        if not linears(module, "in_proj") or module.in_proj.out_features != 3 * conv.in_channels:
             return None
         layout = _short_conv(full, module, tp)
-    elif _linears(module, "in_proj") and out == "out_proj":
+    elif linears(module, "in_proj") and out == "out_proj":
         layout = _mamba1(full, module, tp) if mamba1 else _mamba2(full, module, tp)
     elif all(isinstance(getattr(module, a, None), int) for a in _GATED_DELTA_COUNTS):
         layout = _gated_delta(full, module, tp, out)
@@ -104,16 +104,10 @@ def plan_ssm(full: str, module: nn.Module, tp: int, seq: bool) -> MixerPlan | No
     projections = (*layout.cols, "x_proj", out)
     whole = tuple(n for n, _ in module.named_parameters()
                   if n.rpartition(".")[0] not in (*projections, *layout.plain) and n not in layout.split)
-    plan = MixerPlan(counts={_join(full, n): c for n, c in layout.counts.items()})
-    plan.styles[f"{full}#in"] = PrepareFirstInput(TOKEN if seq else Replicate(), Replicate())
-    for name, packing in layout.cols.items():
-        plan.styles[f"{full}.{name}"] = SplitLinear("col", packing=packing)
-        for param in ("weight", "bias") if packing is not None else ():
-            if _owned(module, f"{name}.{param}"):
-                plan.packings[f"{full}.{name}.{param}"] = packing
+    plan = region(full, module, layout.cols, out, seq)
+    plan.counts.update({_join(full, n): c for n, c in layout.counts.items()})
     if mamba1:
         plan.styles[f"{full}.x_proj"] = SplitLinear("row", output=Replicate())
-    plan.styles[f"{full}.{out}"] = SplitLinear("row", output=TOKEN if seq else Replicate())
     # After x_proj's style: its hook then runs after the split's.
     buffers = _buffers(module, layout.cols.get("in_proj"))
     if layout.groups is not None and _owned(module, "norm.weight"):
@@ -122,6 +116,28 @@ def plan_ssm(full: str, module: nn.Module, tp: int, seq: bool) -> MixerPlan | No
     plan.styles[f"{full}#params"] = MixerParams(layout.split, whole, buffers, out, layout.groups)
     plan.packings.update({_join(full, n): p for n, p in layout.split.items() if p is not None})
     return plan
+
+
+def region(full: str, module: nn.Module, cols: dict[str, Packing | None], out: str, seq: bool) -> MixerPlan:
+    """A mixer's region, as attention's: its input gathered from the sequence shards (or taken whole), its input
+    projections ``cols`` split by columns (per piece where packed), its output projection ``out`` by rows."""
+    plan = MixerPlan()
+    plan.styles[f"{full}#in"] = PrepareFirstInput(TOKEN if seq else Replicate(), Replicate())
+    for name, packing in cols.items():
+        plan.styles[f"{full}.{name}"] = SplitLinear("col", packing=packing)
+        for param in ("weight", "bias") if packing is not None else ():
+            if _owned(module, f"{name}.{param}"):
+                plan.packings[f"{full}.{name}.{param}"] = packing
+    plan.styles[f"{full}.{out}"] = SplitLinear("row", output=TOKEN if seq else Replicate())
+    return plan
+
+
+def divisible_heads(full: str, module: nn.Module, heads: int, tp: int) -> None:
+    if heads % tp:
+        raise ValueError(
+            f"Attention module '{full}' ({type(module).__name__}): {heads} heads not divisible by"
+            f" tensor_parallel({tp}). Use a tensor_parallel degree that divides the head count."
+        )
 
 
 def _buffers(module: nn.Module, packing: Packing | None) -> dict[str, Packing]:
