@@ -31,9 +31,14 @@ class _RankStream:
         if not training or key in self.saved:
             return
         seed = int(torch.randint(0, 2**62, (), device="cpu"))  # the shared stream moves on by one draw
-        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        self.saved[key] = (torch.get_rng_state(), cuda)
-        torch.manual_seed((seed + self.rank * _MIX) % 2**63)
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.saved[key] = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
+        # Seed the two generators dropout draws from, not ``torch.manual_seed``: that also queues a seed for every
+        # other device type, and each queued call formats the Python stack (a few ms, a dozen times a step).
+        seed = (seed + self.rank * _MIX) % 2**63
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            torch.cuda.default_generators[torch.cuda.current_device()].manual_seed(seed)
 
     def leave(self, key: int) -> None:
         state = self.saved.pop(key, None)
