@@ -138,8 +138,7 @@ def _below_parity(pairs: list[dict[str, Any]], profiles: dict[str, Any]) -> dict
         if ratio is None or ratio >= 1.0:
             continue
         key = "llmpar_zero0" if ours.startswith("llmpar_zero0") else ours
-        why = WHY.get(key, "torch's per-tensor optimizer loop over DTensors" if ours.endswith("_torch_kernels") else
-                      "not analysed; see profile_rank0_top_ops")
+        why = WHY.get(key, "not analysed; see profile_rank0_top_ops")
         entry: dict[str, Any] = {"ratio": ratio, "why": why}
         for name in (ours, theirs):
             ops = profiles.get(name)
