@@ -126,7 +126,7 @@ def make_config(name: str, dropout: float = 0.0) -> Any:
         kwargs["tie_word_embeddings"] = name.endswith("_tied")
     config = cls(**kwargs)
     for key, value in list(vars(config).items()):  # every dropout set, before the model copies the rates
-        if isinstance(value, float) and (re.search(r"(dropout|pdrop)$", key) or key == "layerdrop"):
+        if isinstance(value, float) and (re.search(r"(dropout|pdrop|dropout_prob)$", key) or key == "layerdrop"):
             setattr(config, key, 0.0 if key == "layerdrop" else dropout)
     config._attn_implementation = "eager" if base in _NO_SDPA else "sdpa"
     config.use_cache = False

@@ -97,6 +97,7 @@ class Reference:
     stack: BlockStack
     loss: Tensor
     outputs: dict[int, Tensor]
+    calls: tuple[int, ...] = ()  # the blocks in the order the forward called them
 
 
 @torch.no_grad()
@@ -116,8 +117,14 @@ def run_whole(module: nn.Module, stack: BlockStack, step: Callable[[], Any]) -> 
 
         return hook
 
-    def enter(_m: nn.Module, _args: Any) -> None:
-        entered[0] = True
+    calls: list[int] = []
+
+    def enter(index: int) -> Callable[..., None]:
+        def hook(_m: nn.Module, _args: Any) -> None:
+            entered[0] = True
+            calls.append(index)
+
+        return hook
 
     def called(name: str) -> Callable[..., None]:
         def hook(_m: nn.Module, _args: Any) -> None:
@@ -127,7 +134,7 @@ def run_whole(module: nn.Module, stack: BlockStack, step: Callable[[], Any]) -> 
         return hook
 
     hooks = [blocks[i].register_forward_hook(record(i)) for i in range(len(blocks))]
-    hooks += [b.register_forward_pre_hook(enter) for b in blocks]
+    hooks += [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
     for name, sub in module.named_modules():
         inside = name == stack.prefix or name.startswith(stack.prefix + ".")
         if not inside and any(True for _ in sub.parameters(recurse=False)):
@@ -143,7 +150,7 @@ def run_whole(module: nn.Module, stack: BlockStack, step: Callable[[], Any]) -> 
         module.train(was_training)
     seen = tuple(forms.get(i, ()) for i in range(len(blocks))) if len(forms) == len(blocks) else ()
     annotated = dataclasses.replace(stack, ran_before=frozenset(before), ran_after=frozenset(after), forms=seen)
-    return Reference(annotated, loss, outputs)
+    return Reference(annotated, loss, outputs, tuple(calls))
 
 
 @torch.no_grad()
@@ -153,6 +160,7 @@ def check_split(
     """Raise a ValueError if running ``step`` stage by stage (``ranges``: blocks per stage) differs from the
     ``reference`` run of it whole. ``module`` is the unsplit model; it is left as it was."""
     stack, outputs = reference.stack, reference.outputs
+    _check_calls(stack, reference.calls)
     before, after = outside_owners(module, stack)
     blocks = stack.blocks
     was_training = module.training
@@ -216,3 +224,26 @@ def check_split(
         for attr in ("_llmpar_total", "_llmpar_passes", "_llmpar_window", "_llmpar_entered"):
             blocks.__dict__.pop(attr, None)
         module.train(was_training)
+
+
+def _check_calls(stack: BlockStack, calls: Sequence[int]) -> None:
+    """A stage holds a run of consecutive blocks, entered once with the previous block's output: refuse a forward
+    that calls a block twice (looped or recurrent-depth models, a block shared at two depths) or out of order,
+    before any comparison. Such a model can compute nearly what its split does (at initialization a looped
+    block may change its input little), so comparing outputs alone could pass it."""
+    twice = sorted({i for i in calls if calls.count(i) > 1})
+    if twice:
+        i = twice[0]
+        raise ValueError(
+            f"Pipeline split: the model's forward calls block {i} of '{stack.prefix}' {calls.count(i)} times in one"
+            f" step (blocks called more than once: {twice}; a looped, recurrent-depth or weight-shared stack). A"
+            " pipeline stage holds consecutive blocks, each run once on the previous block's output, so this model"
+            " cannot be split into stages. Train it without pipeline parallelism (pipeline_parallel=1); tensor and"
+            " data parallelism take it."
+        )
+    if list(calls) != sorted(calls):
+        raise ValueError(
+            f"Pipeline split: the model's forward calls the blocks of '{stack.prefix}' out of order ({list(calls)}),"
+            " and a pipeline runs them first to last. Name the stack its forward runs in order with"
+            " block_stack='...', or train this model without pipeline parallelism (pipeline_parallel=1)."
+        )

@@ -36,6 +36,7 @@ REFUSED = [
     ("reuses_embedding", PP2, ["stage 1", "computes something else", "pipeline_split_points"]),
     ("unchained", PP2, ["stage 1", "block_stack="]),
     ("passes_state", PP2, ["stage 1", "fails when run on its own", "pipeline_split_points"]),  # starts at a shared block
+    ("looped", PP2, ["calls block 1", "2 times", "pipeline_parallel=1"]),  # a recurrent-depth forward
     ("zipped", {**PP2, "block_stack": "nope"}, ["block_stack='nope'", "names no module"]),
     ("zipped", {**PP2, "block_stack": "head"}, ["block_stack='head'", "nn.ModuleList"]),
 ]
