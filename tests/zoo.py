@@ -24,7 +24,7 @@ from tests.workloads import kernels
 VOCAB, SEQ, SAMPLES = 64, 16, 64
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=32)
-_NO_SDPA = {"gemma2", "bloom", "gpt_oss", "mamba"}
+_NO_SDPA = {"gemma2", "bloom", "gpt_oss", "mamba", "mpt", "openai_gpt"}
 
 # name -> (config class, overrides); "_tied"/"_untied" suffixes flip tie_word_embeddings.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -43,6 +43,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "starcoder2": ("Starcoder2Config", {"sliding_window": None}),
     "falcon": ("FalconConfig", {"new_decoder_architecture": True, "num_kv_heads": 2, "ffn_hidden_size": 64}),
     "bloom": ("BloomConfig", {"n_layer": 4, "n_head": 4}),
+    "mpt": ("MptConfig", {"d_model": 32, "n_heads": 4, "n_layers": 4, "max_seq_len": 32}),  # fused [q; k; v], ALiBi
+    "openai_gpt": ("OpenAIGPTConfig", {"n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 32}),  # blocks return lists
+    "gpt_bigcode": ("GPTBigCodeConfig", {"n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 32, "n_inner": 64,
+                                         "multi_query": False}),  # StarCoder's layout with one key/value per head
     "granite": ("GraniteConfig", {}),
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,

@@ -118,7 +118,10 @@ class _PassThrough(nn.Module):
         first = args[0] if args else next(iter(kwargs.values()))
         if self._form is None:
             self._form = self._find_form(args, kwargs)
-        return tuple(first if i == 0 else item for i, item in enumerate(self._form)) if self._form else first
+        if not self._form:
+            return first
+        out = tuple(first if i == 0 else item for i, item in enumerate(self._form))
+        return list(out) if isinstance(self._form, ListForm) else out
 
     def _find_form(self, args: tuple, kwargs: dict) -> tuple:
         to_meta = lambda t: t.to("meta") if isinstance(t, Tensor) else t  # noqa: E731
@@ -138,12 +141,18 @@ class _PassThrough(nn.Module):
         return value
 
 
+class ListForm(tuple):
+    """The form of a block that returns a list (OpenAI GPT's blocks), not a tuple."""
+
+
 def output_form(out: Any) -> tuple:
-    """A block output's form: () for a tensor, else a tuple's items with None where a tensor is. Other tensors
-    (attention weights when asked for) are not faked by a pass-through: code using them fails loudly."""
-    if not isinstance(out, tuple) or not out or not isinstance(out[0], Tensor):
+    """A block output's form: () for a tensor, else a tuple's (or list's: :class:`ListForm`) items with None where
+    a tensor is. Other tensors (attention weights when asked for) are not faked by a pass-through: code using them
+    fails loudly."""
+    if not isinstance(out, (tuple, list)) or not out or not isinstance(out[0], Tensor):
         return ()
-    return tuple(None if isinstance(item, Tensor) else item for item in out)
+    items = (None if isinstance(item, Tensor) else item for item in out)
+    return ListForm(items) if isinstance(out, list) else tuple(items)
 
 
 def narrow_blocks(blocks: nn.ModuleList, forms: Sequence[tuple] = ()) -> None:
@@ -273,7 +282,7 @@ def stage_program(
         return args, {**kwargs, arg: incoming}
 
     def boundary(_m: nn.Module, _args: Any, output: Any) -> None:
-        raise StageBoundary(output[0] if isinstance(output, tuple) else output)
+        raise StageBoundary(output[0] if isinstance(output, (tuple, list)) else output)
 
     handles = [first.register_forward_pre_hook(enter, with_kwargs=True)]
     if not last:

@@ -99,6 +99,24 @@ def _gpt2(attn: nn.Module, tp: int) -> FusedLayout:
     return _concat(attn, tp, 1, attn.num_heads, attn.num_heads, attn.head_dim)
 
 
+def _openai_gpt(attn: nn.Module, tp: int) -> FusedLayout | None:
+    # OpenAI GPT's ``Attention``: a Conv1D c_attn whose output columns are [all q | all k | all v], as GPT-2's.
+    if not type(attn).__module__.endswith("openai.modeling_openai"):
+        return None  # another library's class of the same name
+    return _concat(attn, tp, 1, attn.n_head, attn.n_head, attn.split_size // attn.n_head)
+
+
+def _mpt(attn: nn.Module, tp: int) -> FusedLayout:
+    # Wqkv rows [all q; all k; all v], chunked in three by the forward.
+    return _concat(attn, tp, 0, attn.n_heads, attn.n_heads, attn.head_dim)
+
+
+def _gpt_bigcode(attn: nn.Module, tp: int) -> FusedLayout:
+    if attn.multi_query:  # rows [all q; k; v] with one key/value head (refused by the head count check)
+        return _concat(attn, tp, 0, attn.num_heads, 1, attn.head_dim)
+    return FusedLayout(None, attn.num_heads, attn.num_heads)  # per head [q_h; k_h; v_h]
+
+
 def _phi3(attn: nn.Module, tp: int) -> FusedLayout:
     # qkv_proj rows [all q; all k; all v], split by the forward with config.num_attention_heads.
     return _concat(attn, tp, 0, attn.config.num_attention_heads, attn.num_key_value_heads, attn.head_dim)
@@ -141,6 +159,9 @@ FUSED_QKV_LAYOUTS: dict[str, Callable[[nn.Module, int], FusedLayout | None]] = {
     "BloomAttention": _per_head,
     "PersimmonAttention": _per_head,
     "FalconAttention": _falcon,
+    "Attention": _openai_gpt,
+    "MptAttention": _mpt,
+    "GPTBigCodeAttention": _gpt_bigcode,
 }
 
 
@@ -154,6 +175,8 @@ def head_slices(attn: nn.Module) -> dict[str, tuple[int, int, bool]]:
     name = type(attn).__name__
     if name == "BloomAttention":
         return {"alibi": (attn.num_heads, 0, True)}
+    if name == "MptAttention":  # ALiBi biases (heads, queries, keys)
+        return {"position_bias": (attn.n_heads, 0, False)}
     if name == "FalconAttention" and getattr(attn.config, "alibi", False):
         return {"alibi": (attn.num_heads, 1, False), "attention_mask": (attn.num_heads, 1, False)}
     return {}

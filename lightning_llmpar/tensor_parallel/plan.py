@@ -300,7 +300,9 @@ class _Planner(MoEPlanning):
 
     def _local_counts(self, full: str, attn: nn.Module, cols: list[str], layout: Any) -> None:
         q_width = sum(fam.out_features(attn.get_submodule(n)) for n in cols if n.lower() in fam.Q)
-        if layout is not None and isinstance(getattr(attn, "head_dim", None), int):
+        if layout is not None and layout.packing is not None:
+            q_width = layout.packing.sizes[0]
+        elif layout is not None and isinstance(getattr(attn, "head_dim", None), int):
             q_width = layout.heads * attn.head_dim
         patch = {a: v // self.tp for a in fam.HEAD_COUNT_ATTRS if isinstance(v := getattr(attn, a, None), int) and not isinstance(v, bool)}
         for attr in fam.WIDTH_ATTRS:

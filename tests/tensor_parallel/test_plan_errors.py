@@ -411,3 +411,15 @@ def test_lightning_and_kimi_delta_attention_split_by_heads() -> None:
     assert kimi.styles.get(f"{delta}.g_a_proj") is None and kimi.styles.get(f"{delta}.forget_gate.f_a_proj") is None
     assert "g_a_proj.weight" not in kimi.styles[f"{delta}#params"].whole
     assert kimi.local_counts[f"{delta}.forget_gate"] == {"num_heads": 2, "qkv_dim": 16}
+
+
+def test_multi_query_attention_is_refused_by_its_one_key_value_head() -> None:
+    # StarCoder's GPTBigCode with multi_query=True: one key/value head cannot be split, as Megatron refuses it.
+    transformers = pytest.importorskip("transformers")
+    from tests.zoo import make_config
+
+    config = make_config("gpt_bigcode")
+    config.multi_query = True
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"'transformer.h.0.attn': key/value heads = 1 is not divisible by tensor_parallel\(2\)"):
+        infer_tp_plan(model, 2)
