@@ -135,6 +135,32 @@ class PassesState(_Base):
         return x
 
 
+class _SideBlock(nn.Module):
+    """A block that also reads the embeddings through its own projection, a little (Zamba's shared attention
+    takes them concatenated to its input): its output moves by ~1e-7, its projection's gradient comes only from it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.mlp, self.side = nn.LayerNorm(WIDTH), _MLP(), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x)) + 1e-7 * self.side(first)
+
+
+class ReadsEmbedding(_Base):
+    """Every block reads the embeddings too: a value from before the stack that the comparison alone misses."""
+
+    def __init__(self, name: str = "", **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        self.layers = nn.ModuleList(_SideBlock() for _ in range(4))
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        first = x
+        for layer in self.layers:
+            x = layer(x, first)
+        return x
+
+
 class _Gentle(nn.Module):
     """A block that moves its input only a little (``rate``), as a looped model's blocks do at initialization."""
 
@@ -205,5 +231,5 @@ class GPTMoE(ShiftedLM):
 
 
 CUSTOM = {"containers": Containers, "zipped": Zipped, "reuses_embedding": ReusesEmbedding, "unchained": Unchained,
-          "passes_state": PassesState, "looped": Looped,
+          "passes_state": PassesState, "looped": Looped, "reads_embedding": ReadsEmbedding,
           "gpt_moe": GPTMoE}

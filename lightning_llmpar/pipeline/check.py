@@ -206,6 +206,8 @@ def check_split(
                     " split would train wrong. Cut elsewhere with pipeline_split_points=[...], name another block stack"
                     " with block_stack='...', or train this model without pipeline parallelism."
                 )
+            if s > 0 and before:
+                _check_stand_ins(where, stack.prefix, stand_ins, lambda: run(incoming)[1], got, s == last)
             if incoming is not None:  # a random change of the input must change the output
                 noise = torch.randn(incoming.shape, generator=torch.Generator().manual_seed(s), dtype=torch.float32)
                 moved = run(incoming + noise.to(incoming.device, incoming.dtype))[1]
@@ -246,4 +248,31 @@ def _check_calls(stack: BlockStack, calls: Sequence[int]) -> None:
             f"Pipeline split: the model's forward calls the blocks of '{stack.prefix}' out of order ({list(calls)}),"
             " and a pipeline runs them first to last. Name the stack its forward runs in order with"
             " block_stack='...', or train this model without pipeline parallelism (pipeline_parallel=1)."
+        )
+
+
+def _check_stand_ins(where: str, prefix: str, stand_ins: dict[str, nn.Module], rerun: Callable[[], Any], got: Tensor,
+                     last: bool) -> None:
+    """On a later stage the modules before the stack (the embedding) are stand-ins returning zeros, and the first
+    block's input is replaced by the activation received. Refuse a stage whose output still changes when the
+    stand-ins return random values instead: its blocks read a value from before the stack besides that input
+    (Zamba's blocks concatenate the embeddings). At initialization such a path can change the output too little
+    for the comparison with the whole run to tell; this test does not depend on a tolerance."""
+    before = {n: m for n, m in stand_ins.items() if isinstance(m, _StandIn) and m.before_stack}
+    for seed, stand_in in enumerate(before.values()):
+        stand_in.noise = seed + 1
+    try:
+        moved = rerun()
+        same = torch.equal(_loss(moved) if last else moved, got)
+    except Exception:  # noqa: BLE001 - failing on other values than zeros is depending on them too
+        same = False
+    finally:
+        for stand_in in before.values():
+            stand_in.noise = None
+    if not same:
+        raise ValueError(
+            f"Pipeline split: {where} depends on what {sorted(before)} compute before the block stack on the first"
+            f" stage, besides the input of its first block: the model's forward hands the blocks of '{prefix}' a"
+            " value from before the stack (as Zamba's blocks take the embeddings), which a pipeline does not carry"
+            " between stages. Train this model without pipeline parallelism (pipeline_parallel=1)."
         )

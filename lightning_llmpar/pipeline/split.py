@@ -67,6 +67,7 @@ class _StandIn(nn.Module):
     ) -> None:
         super().__init__()
         self.name, self.before_stack, self.dtype = name, before_stack, dtype
+        self.noise: int | None = None  # the split check's seed for random outputs instead of zeros
         self.num_embeddings = getattr(original, "num_embeddings", None)
         self._meta = [_meta_copy(original)] if before_stack else []  # list: not a submodule
         self._blocks = [blocks]
@@ -86,6 +87,9 @@ class _StandIn(nn.Module):
         # Under a mixed-precision policy the real module computes with cast weights: match its output dtype
         # (code after it, such as rotary tables, takes its dtype from this output).
         dtype = self.dtype if self.dtype is not None and out.is_floating_point() else out.dtype
+        if self.noise is not None and dtype.is_floating_point:
+            noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(self.noise), dtype=torch.float32)
+            return noise.to(device, dtype)
         return torch.zeros(out.shape, dtype=dtype, device=device)
 
     def __getattr__(self, name: str) -> Any:
@@ -136,8 +140,11 @@ class _PassThrough(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             value = getattr(self._meta[0], name)
-        if isinstance(value, (Tensor, nn.Module)):
+        if isinstance(value, Tensor):
             raise AttributeError(f"{name!r} of a block on another pipeline stage")
+        # A submodule answers from the meta copy: a forward that walks every block's weights in place (RWKV rescales
+        # them when switching between training and eval) leaves other stages' blocks to their own stage; a value
+        # computed from a meta tensor cannot meet a real one without an error.
         return value
 
 

@@ -25,6 +25,8 @@ Q = {"q_proj", "q", "wq", "query", "q_lin", "to_q"}
 K = {"k_proj", "k", "wk", "key", "k_lin", "to_k"}
 V = {"v_proj", "v", "wv", "value", "v_lin", "to_v"}
 OUT = {"o_proj", "out_proj", "wo", "o", "proj", "c_proj", "dense", "out_lin", "to_out"}
+# An attention's output gate, multiplied with the heads' output before the output projection.
+ATTN_GATE = {"gate_proj", "g_proj"}
 FUSED_QKV = {"qkv", "qkv_proj", "c_attn", "wqkv", "query_key_value", "in_proj", "w_pack"}
 UP = {"up_proj", "gate_proj", "w1", "w3", "fc1", "c_fc", "fc_in", "gate", "up", "dense_h_to_4h", "lin1", "fc_1", "fc_2", "fc"}
 DOWN = {"down_proj", "w2", "fc2", "fc_out", "c_proj", "down", "dense_4h_to_h", "lin2", "proj", "output_linear"}
@@ -58,9 +60,12 @@ def name_roles(children: dict[str, nn.Module]) -> dict[str, str]:
     lower = {n.lower(): n for n in children}
     roles: dict[str, str] = {}
     if lower.keys() & FUSED_QKV or (lower.keys() & Q and lower.keys() & K and lower.keys() & V):
+        q_width = next((out_features(children[n]) for low, n in lower.items() if low in Q), None)
         for low, n in lower.items():
             if low in Q | K | V:
                 roles[n] = "col"
+            elif low in ATTN_GATE and out_features(children[n]) == q_width:
+                roles[n] = "col"  # an output gate, one value per feature of every head (AFMoE): split with q
             elif low in FUSED_QKV:
                 roles[n] = "qkv"
             elif low in OUT:
