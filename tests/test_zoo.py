@@ -28,10 +28,11 @@ MODELS = [
 # interleaved gate/up columns (GPT-OSS), state-space models (Mamba, and hybrids whose block stack mixes classes, blocks
 # return tuples or the forward reads block attributes), gated delta-rule linear attention (Qwen3-Next, Qwen3.5,
 # OLMo-Hybrid), gated short convolutions (LFM2), lightning attention (MiniMax) and Kimi delta attention; fused
-# [q; k; v] rows with ALiBi biases (MPT), blocks that return lists (OpenAI GPT), per-head fused q/k/v (GPTBigCode).
+# [q; k; v] rows with ALiBi biases (MPT), blocks that return lists (OpenAI GPT), per-head fused q/k/v (GPTBigCode),
+# attention output gates per feature (AFMoE) and per head (LFM3).
 MORE_MODELS = ["qwen2_moe", "glm4_moe", "gemma3", "cohere", "phi", "smollm3", "persimmon", "nemotron", "apertus", "llama4",
                "deepseek_v3", "deepseek_v2", "gpt_oss", "mamba", "jamba", "bamba", "nemotron_h", "falcon_h1",
-               "granitemoehybrid", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "lfm2", "minimax", "kimi_linear", "mpt", "openai_gpt", "gpt_bigcode"]
+               "granitemoehybrid", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "lfm2", "minimax", "kimi_linear", "mpt", "openai_gpt", "gpt_bigcode", "afmoe", "lfm3"]
 LITGPT_MODELS = ["litgpt_llama", "litgpt_pythia", "litgpt_gemma2", "litgpt_phi2", "litgpt_qwen3", "litgpt_mixtral",
                  "litgpt_falcon", "litgpt_gemma3", "litgpt_olmo2"]
 HAS_LITGPT = importlib.util.find_spec("litgpt") is not None

@@ -45,6 +45,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "bloom": ("BloomConfig", {"n_layer": 4, "n_head": 4}),
     "mpt": ("MptConfig", {"d_model": 32, "n_heads": 4, "n_layers": 4, "max_seq_len": 32}),  # fused [q; k; v], ALiBi
     "openai_gpt": ("OpenAIGPTConfig", {"n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 32}),  # blocks return lists
+    "afmoe": ("AfmoeConfig", {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                              "num_shared_experts": 1, "sliding_window": 8,
+                              "layer_types": ["sliding_attention", "full_attention"] * 2}),  # output gate per feature
+    "lfm3": ("Lfm3Config", {"head_dim": 8, "sliding_window": 8, "pad_token_id": 0,  # output gate per head
+                            "layer_types": ["conv", "full_attention", "sliding_attention", "conv"]}),
     "gpt_bigcode": ("GPTBigCodeConfig", {"n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 32, "n_inner": 64,
                                          "multi_query": False}),  # StarCoder's layout with one key/value per head
     "granite": ("GraniteConfig", {}),

@@ -55,17 +55,20 @@ def _in_features(module: nn.Module) -> int:
     return weight.shape[0] if type(module).__name__ == "Conv1D" else weight.shape[1]
 
 
-def name_roles(children: dict[str, nn.Module]) -> dict[str, str]:
-    """Roles of a module's linear children by their names: 'col' / 'qkv' / 'gate_up' / 'row', or none."""
+def name_roles(children: dict[str, nn.Module], head_dim: int | None = None) -> dict[str, str]:
+    """Roles of a module's linear children by their names: 'col' / 'qkv' / 'gate_up' / 'row', or none.
+    ``head_dim``: the attention's, if it has one (a gate with one value per head is split with the heads)."""
     lower = {n.lower(): n for n in children}
     roles: dict[str, str] = {}
     if lower.keys() & FUSED_QKV or (lower.keys() & Q and lower.keys() & K and lower.keys() & V):
         q_width = next((out_features(children[n]) for low, n in lower.items() if low in Q), None)
+        gate_widths = {q_width, q_width // head_dim} if q_width and head_dim else {q_width}
         for low, n in lower.items():
             if low in Q | K | V:
                 roles[n] = "col"
-            elif low in ATTN_GATE and out_features(children[n]) == q_width:
-                roles[n] = "col"  # an output gate, one value per feature of every head (AFMoE): split with q
+            elif low in ATTN_GATE and out_features(children[n]) in gate_widths:
+                # An output gate with one value per feature of every head (AFMoE) or per head (LFM3): split with q.
+                roles[n] = "col"
             elif low in FUSED_QKV:
                 roles[n] = "qkv"
             elif low in OUT:

@@ -211,7 +211,9 @@ class _Planner(MoEPlanning):
             return False
         # An expert, or an MLP beside the experts (a shared expert): the layer combines its output whole.
         in_moe = any(full.startswith(layer + ".") for layer in self._moe_layers)
-        name_roles = fam.name_roles({n: c for n, c in children.items() if _linear_like(c)})
+        head_dim = getattr(module, "head_dim", None)
+        name_roles = fam.name_roles({n: c for n, c in children.items() if _linear_like(c)},
+                                    head_dim if isinstance(head_dim, int) else None)
         roles = {n: r for n, c in children.items() if (r := self._role(_join(full, n), n, c, name_roles))}
         cols = [n for n, r in roles.items() if r in ("col", "qkv", "gate_up")]
         rows = [n for n, r in roles.items() if r == "row"]

@@ -423,3 +423,17 @@ def test_multi_query_attention_is_refused_by_its_one_key_value_head() -> None:
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match=r"'transformer.h.0.attn': key/value heads = 1 is not divisible by tensor_parallel\(2\)"):
         infer_tp_plan(model, 2)
+
+
+@pytest.mark.parametrize(("width", "split"), [(32, True), (4, True), (3, False)])
+def test_attention_output_gate_is_split_with_the_heads(width: int, split: bool) -> None:
+    # A gate per feature of every head (AFMoE's gate_proj: 32 = 4 heads x 8) or per head (LFM3's g_proj: 4) is
+    # split with q; any other width is not known and is refused with the fix.
+    model = _gpt()
+    for block in model.layers:
+        block.attn.g_proj = nn.Linear(32, width, bias=False)
+    if not split:
+        with pytest.raises(ValueError, match=r"Cannot decide how to split Linear 'layers.0.attn.g_proj'"):
+            infer_tp_plan(model, 2)
+        return
+    assert infer_tp_plan(model, 2).styles["layers.0.attn.g_proj"].kind == "col"
