@@ -322,8 +322,10 @@ class GatherFirstOutput(ParallelStyle):
 
         def hook(_mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             given = args[0] if args else kwargs.get(first)
-            if isinstance(output, (tuple, list)):  # OpenAI GPT's blocks return lists
-                return type(output)([convert(output[0], given), *output[1:]])
+            if isinstance(output, list):  # OpenAI GPT's blocks return lists
+                return [convert(output[0], given), *output[1:]]
+            if isinstance(output, tuple):
+                return (convert(output[0], given), *output[1:])
             return convert(output, given)
 
         module.register_forward_hook(hook, with_kwargs=True)
