@@ -38,7 +38,7 @@ class _RankStream:
         seed = (seed + self.rank * _MIX) % 2**63
         torch.default_generator.manual_seed(seed)
         if cuda:
-            torch.cuda.default_generators[torch.cuda.current_device()].manual_seed(seed)
+            torch.cuda.manual_seed(seed)  # the current device; runs at once on an initialized CUDA
 
     def leave(self, key: int) -> None:
         state = self.saved.pop(key, None)
