@@ -161,6 +161,24 @@ class ReadsEmbedding(_Base):
         return x
 
 
+class _GatedSideBlock(_SideBlock):
+    """Reads the embeddings through a scale initialized to zero (Gemma-3n's per-layer inputs enter through
+    ``correct_output_scale``): its output does not move at all, only the scale's gradient sees them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.zeros(WIDTH))
+
+    def forward(self, x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x)) + self.scale * self.side(first)
+
+
+class ReadsGatedEmbedding(ReadsEmbedding):
+    def __init__(self, name: str = "", **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        self.layers = nn.ModuleList(_GatedSideBlock() for _ in range(4))
+
+
 class _Gentle(nn.Module):
     """A block that moves its input only a little (``rate``), as a looped model's blocks do at initialization."""
 
@@ -232,4 +250,5 @@ class GPTMoE(ShiftedLM):
 
 CUSTOM = {"containers": Containers, "zipped": Zipped, "reuses_embedding": ReusesEmbedding, "unchained": Unchained,
           "passes_state": PassesState, "looped": Looped, "reads_embedding": ReadsEmbedding,
+          "reads_gated_embedding": ReadsGatedEmbedding,
           "gpt_moe": GPTMoE}

@@ -207,7 +207,9 @@ def check_split(
                     " with block_stack='...', or train this model without pipeline parallelism."
                 )
             if s > 0 and before:
-                _check_stand_ins(where, stack.prefix, stand_ins, lambda: run(incoming)[1], got, s == last)
+                trainable = [p for p in module.parameters() if p.requires_grad]
+                _check_stand_ins(where, stack.prefix, stand_ins,
+                                 lambda: _sensitivities(run, incoming, s == last, trainable))
             if incoming is not None:  # a random change of the input must change the output
                 noise = torch.randn(incoming.shape, generator=torch.Generator().manual_seed(s), dtype=torch.float32)
                 moved = run(incoming + noise.to(incoming.device, incoming.dtype))[1]
@@ -251,19 +253,45 @@ def _check_calls(stack: BlockStack, calls: Sequence[int]) -> None:
         )
 
 
-def _check_stand_ins(where: str, prefix: str, stand_ins: dict[str, nn.Module], rerun: Callable[[], Any], got: Tensor,
-                     last: bool) -> None:
+def _sensitivities(run: Callable[[Tensor], tuple[bool, Any]], incoming: Tensor, last: bool,
+                   params: Sequence[nn.Parameter]) -> list[Tensor | None]:
+    """A stage's output and the gradients it produces: of its input (sent to the stage before) and of every
+    trainable parameter, for a fixed random output gradient (the loss's own on the last stage)."""
+    with torch.enable_grad():
+        x = incoming.detach().requires_grad_(incoming.is_floating_point())
+        out = run(x)[1]
+        out = _loss(out) if last else out
+        if not out.requires_grad:
+            return [out.detach()]
+        if last:
+            target = out.float().sum()
+        else:
+            weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+            target = (out.float() * weights.to(out.device)).sum()
+        inputs = [x, *params] if x.requires_grad else list(params)
+        grads = torch.autograd.grad(target, inputs, allow_unused=True)
+    return [out.detach(), *grads]
+
+
+def _check_stand_ins(where: str, prefix: str, stand_ins: dict[str, nn.Module],
+                     probe: Callable[[], list[Tensor | None]]) -> None:
     """On a later stage the modules before the stack (the embedding) are stand-ins returning zeros, and the first
-    block's input is replaced by the activation received. Refuse a stage whose output still changes when the
-    stand-ins return random values instead: its blocks read a value from before the stack besides that input
-    (Zamba's blocks concatenate the embeddings). At initialization such a path can change the output too little
-    for the comparison with the whole run to tell; this test does not depend on a tolerance."""
+    block's input is replaced by the activation received. Refuse a stage whose output or gradients (of its input
+    and of any parameter) change when the stand-ins return random values instead: its blocks read a value from
+    before the stack besides that input. At initialization such a path can change the output too little for the
+    comparison with the whole run to tell (Zamba's blocks concatenate the embeddings), or not at all: Gemma-3n's
+    per-layer inputs enter through a scale initialized to zero, so only gradients see them. This test does not
+    depend on a tolerance."""
     before = {n: m for n, m in stand_ins.items() if isinstance(m, _StandIn) and m.before_stack}
-    for seed, stand_in in enumerate(before.values()):
-        stand_in.noise = seed + 1
+    zeros = probe()
     try:
-        moved = rerun()
-        same = torch.equal(_loss(moved) if last else moved, got)
+        for seed, stand_in in enumerate(before.values()):
+            stand_in.noise = seed + 1
+        moved = probe()
+        same = len(zeros) == len(moved) and all(
+            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+            for a, b in zip(zeros, moved)
+        )
     except Exception:  # noqa: BLE001 - failing on other values than zeros is depending on them too
         same = False
     finally:
@@ -273,6 +301,7 @@ def _check_stand_ins(where: str, prefix: str, stand_ins: dict[str, nn.Module], r
         raise ValueError(
             f"Pipeline split: {where} depends on what {sorted(before)} compute before the block stack on the first"
             f" stage, besides the input of its first block: the model's forward hands the blocks of '{prefix}' a"
-            " value from before the stack (as Zamba's blocks take the embeddings), which a pipeline does not carry"
-            " between stages. Train this model without pipeline parallelism (pipeline_parallel=1)."
+            " value from before the stack (as Zamba's blocks take the embeddings and Gemma-3n's their per-layer"
+            " inputs), which a pipeline does not carry between stages. Train this model without pipeline"
+            " parallelism (pipeline_parallel=1)."
         )

@@ -38,6 +38,7 @@ REFUSED = [
     ("passes_state", PP2, ["stage 1", "fails when run on its own", "pipeline_split_points"]),  # starts at a shared block
     ("looped", PP2, ["calls block 1", "2 times", "pipeline_parallel=1"]),  # a recurrent-depth forward
     ("reads_embedding", PP2, ["stage 1", "depends on what", "embeddings", "pipeline_parallel=1"]),
+    ("reads_gated_embedding", PP2, ["stage 1", "depends on what", "pipeline_parallel=1"]),  # seen in gradients only
     ("zipped", {**PP2, "block_stack": "nope"}, ["block_stack='nope'", "names no module"]),
     ("zipped", {**PP2, "block_stack": "head"}, ["block_stack='head'", "nn.ModuleList"]),
 ]
