@@ -29,14 +29,19 @@ MODELS = [
 # return tuples or the forward reads block attributes), gated delta-rule linear attention (Qwen3-Next, Qwen3.5,
 # OLMo-Hybrid), gated short convolutions (LFM2), lightning attention (MiniMax) and Kimi delta attention; fused
 # [q; k; v] rows with ALiBi biases (MPT), blocks that return lists (OpenAI GPT), per-head fused q/k/v (GPTBigCode),
-# attention output gates per feature (AFMoE) and per head (LFM3).
+# attention output gates per feature (AFMoE) and per head (LFM3); experts called by the block itself and per-layer
+# head counts (Gemma 4), fused [q; k; v] rows with grouped key/value heads (DBRX), an MLP in an nn.Sequential kept
+# whole and an embedding scaled in place (CTRL).
 MORE_MODELS = ["qwen2_moe", "glm4_moe", "gemma3", "cohere", "phi", "smollm3", "persimmon", "nemotron", "apertus", "llama4",
                "deepseek_v3", "deepseek_v2", "gpt_oss", "mamba", "jamba", "bamba", "nemotron_h", "falcon_h1",
-               "granitemoehybrid", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "lfm2", "minimax", "kimi_linear", "mpt", "openai_gpt", "gpt_bigcode", "afmoe", "lfm3"]
+               "granitemoehybrid", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "lfm2", "minimax", "kimi_linear", "mpt",
+               "openai_gpt", "gpt_bigcode", "afmoe", "lfm3", "gemma4", "dbrx", "ctrl"]
+# Per-layer inputs computed before the stack (Gemma 4's small models, Gemma 3n): exact at tp2, refused at pp2.
+TP_ONLY = ["gemma4_ple", "gemma3n"]
 LITGPT_MODELS = ["litgpt_llama", "litgpt_pythia", "litgpt_gemma2", "litgpt_phi2", "litgpt_qwen3", "litgpt_mixtral",
                  "litgpt_falcon", "litgpt_gemma3", "litgpt_olmo2"]
 HAS_LITGPT = importlib.util.find_spec("litgpt") is not None
-RUN = MODELS + MORE_MODELS + (LITGPT_MODELS if HAS_LITGPT else [])
+RUN = MODELS + MORE_MODELS + TP_ONLY + (LITGPT_MODELS if HAS_LITGPT else [])
 GLOBAL_BATCH = 8
 TWO_RANKS = {
     "tp2": {"tensor_parallel": 2},
@@ -45,7 +50,8 @@ TWO_RANKS = {
     "dp2-zero1": {"zero_stage": 1},
 }
 # ZeRO-1 is the same for every model family (no structure involved): LitGPT's cover it.
-ONLY = {"dp2-zero1": LITGPT_MODELS, "dp2-zero3": MODELS + LITGPT_MODELS, "tp2-pp2": MODELS + LITGPT_MODELS}
+ONLY = {"dp2-zero1": LITGPT_MODELS, "dp2-zero3": MODELS + LITGPT_MODELS, "tp2-pp2": MODELS + LITGPT_MODELS,
+        "pp2": MODELS + MORE_MODELS + LITGPT_MODELS}
 FOUR_RANKS = {"tp2-pp2": {"tensor_parallel": 2, "pipeline_parallel": 2}}
 
 
@@ -72,7 +78,7 @@ def references() -> dict[str, dict[str, Any]]:
 def _cases(layouts: dict[str, dict[str, Any]]) -> list[Any]:
     litgpt = pytest.mark.skipif(not HAS_LITGPT, reason="litgpt is not installed (pip install --no-deps litgpt)")
     return [pytest.param(m, lid, id=f"{m}-{lid}", marks=[litgpt] if m in LITGPT_MODELS else [])
-            for lid in layouts for m in ONLY.get(lid, MODELS + MORE_MODELS + LITGPT_MODELS)]
+            for lid in layouts for m in ONLY.get(lid, MODELS + MORE_MODELS + TP_ONLY + LITGPT_MODELS)]
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +99,16 @@ def test_two_ranks_match_one_process(model: str, layout: str, references: dict, 
 @pytest.mark.parametrize(("model", "layout"), _cases(FOUR_RANKS))
 def test_four_ranks_match_one_process(model: str, layout: str, references: dict, four_rank_runs: dict) -> None:
     assert_exact(references[model], four_rank_runs[(model, layout)])
+
+
+def test_per_layer_inputs_are_refused_under_pipeline_parallelism() -> None:
+    # No pipeline carries them between stages. Gemma 3n's enter every block through a scale initialized to zero:
+    # at initialization only the gradients of a later stage show that it reads them (it trained silently wrong).
+    pp2 = {"pipeline_parallel": 2}
+    outs = run_ranks(fit_cases, 2, [(m, pp2, GLOBAL_BATCH) for m in TP_ONLY], timeout=600)
+    for model, words in (("gemma4_ple", "computes something else"), ("gemma3n", "depends on what")):
+        errors = [o[(model, repr(pp2))].get("error", "") for o in outs]
+        assert all("Pipeline split: stage 1" in e and words in e for e in errors), (model, errors)
 
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]

@@ -11,7 +11,19 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["BlockStack", "find_block_stack", "first_arg_name", "has_forward", "mark_block_stack", "num_params"]
+__all__ = [
+    "BlockStack", "count_attr", "find_block_stack", "first_arg_name", "has_forward", "mark_block_stack", "num_params",
+]
+
+
+def count_attr(owner: object, attr: str) -> int | None:
+    """``owner.attr`` if it is a count (an int, not a bool). transformers' per-layer configs (Gemma 4) raise on a
+    global read of an attribute that varies by layer: the layers' own modules hold their counts."""
+    try:
+        value = getattr(owner, attr, None)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError, not an AttributeError
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_llmpar.expert_parallel.apply import find_experts
-from lightning_llmpar.modeling.structure import find_block_stack
+from lightning_llmpar.modeling.structure import count_attr, find_block_stack
 
 __all__ = ["ModelSpec", "model_spec", "spec_from_module"]
 
@@ -116,7 +116,7 @@ def _hf(directory: Path) -> ModelSpec:
     n_expert = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 0
     ffn = getattr(text, "moe_intermediate_size", None) if n_expert else None
     dims = {"hidden": text.hidden_size, "n_head": n_head,
-            "n_kv_head": getattr(text, "num_key_value_heads", None) or n_head,
+            "n_kv_head": count_attr(text, "num_key_value_heads") or n_head,  # Gemma 4's varies by layer
             "ffn_hidden": ffn or getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
             "vocab": text.vocab_size, "n_expert": n_expert,
             "top_k": getattr(text, "num_experts_per_tok", 1) if n_expert else 1}

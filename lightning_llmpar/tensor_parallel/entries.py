@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_llmpar.tensor_parallel.packing import Packing
 from lightning_llmpar.tensor_parallel.param_styles import ReplicatedOnShards, ShardedNorm
@@ -16,6 +16,7 @@ from lightning_llmpar.tensor_parallel.styles import (
     TOKEN,
     PrepareFirstInput,
     SplitLinear,
+    VocabEmbedding,
     is_conv1d,
 )
 
@@ -72,7 +73,7 @@ TP_STYLES: dict[str, Any] = {
     "rowwise": lambda: SplitLinear("row"),
     "rowwise_split_input": lambda: SplitLinear("row", input=Replicate()),
     "rowwise_sequence": lambda: SplitLinear("row", output=TOKEN),
-    "embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    "embedding": lambda: VocabEmbedding(input_layouts=Replicate(), output_layouts=Replicate()),
     "sequence_parallel": lambda: ReplicatedOnShards(2),
     "replicated_with_grad_allreduce": lambda: ReplicatedOnShards(2),
     "sharded_norm": lambda: ShardedNorm(),

@@ -119,6 +119,11 @@ def _mpt(attn: nn.Module, tp: int) -> FusedLayout:
     return _concat(attn, tp, 0, attn.n_heads, attn.n_heads, attn.head_dim)
 
 
+def _dbrx(attn: nn.Module, tp: int) -> FusedLayout:
+    # Wqkv rows [all q; all k; all v] with grouped key/value heads, split by the forward with hidden_size.
+    return _concat(attn, tp, 0, attn.num_heads, attn.num_key_value_heads, attn.head_dim)
+
+
 def _gpt_bigcode(attn: nn.Module, tp: int) -> FusedLayout:
     if attn.multi_query:  # rows [all q; k; v] with one key/value head (refused by the head count check)
         return _concat(attn, tp, 0, attn.num_heads, 1, attn.head_dim)
@@ -169,6 +174,7 @@ FUSED_QKV_LAYOUTS: dict[str, Callable[[nn.Module, int], FusedLayout | None]] = {
     "FalconAttention": _falcon,
     "Attention": _openai_gpt,
     "MptAttention": _mpt,
+    "DbrxAttention": _dbrx,
     "GPTBigCodeAttention": _gpt_bigcode,
 }
 

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_llmpar.modeling.structure import count_attr
 from lightning_llmpar.tensor_parallel.entries import has_params
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.ssm import MixerPlan, divisible_heads, linears, region
@@ -72,6 +73,6 @@ def _local_counts(module: nn.Module, heads: int, tp: int) -> dict[str, Any]:
     counts: dict[str, Any] = {"num_heads": heads // tp}
     config = getattr(module, "config", None)
     for attr in _HEAD_COUNTS:  # code that reshapes with the config's counts sees this rank's (a private copy)
-        if isinstance(value := getattr(config, attr, None), int) and not isinstance(value, bool):
+        if (value := count_attr(config, attr)) is not None:
             counts[f"config.{attr}"] = value // tp
     return counts

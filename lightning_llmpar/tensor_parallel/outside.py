@@ -11,9 +11,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.param_styles import ReplicatedOnShards
-from lightning_llmpar.tensor_parallel.styles import SplitLinear
+from lightning_llmpar.tensor_parallel.styles import SplitLinear, VocabEmbedding
 
-__all__ = ["check_ties", "plan_outside", "weight_placement"]
+__all__ = ["check_ties", "plan_outside", "refuse_adapters", "weight_placement"]
 
 
 def plan_outside(model: nn.Module, tp: int, styles: dict[str, Any], claimed: set[str], stack_prefix: str | None) -> None:
@@ -28,13 +28,14 @@ def plan_outside(model: nn.Module, tp: int, styles: dict[str, Any], claimed: set
     heads = [(n, m) for n, m in modules if isinstance(m, nn.Linear) and m.out_features in vocab_sizes]
     vocab = max((m.out_features for _, m in heads), default=max(vocab_sizes, default=0))
     for name, module in modules:
-        if isinstance(module, nn.Embedding) and module.num_embeddings == vocab:
+        # An embedding class holding modules of its own (Inkling-2's) is kept whole: torch's style splits a plain one.
+        if isinstance(module, nn.Embedding) and module.num_embeddings == vocab and not any(module.children()):
             if module.num_embeddings % tp:
                 raise ValueError(
                     f"Embedding '{name}' has {module.num_embeddings} rows, not divisible by tensor_parallel({tp})."
                     f" Pad the vocabulary to a multiple of {tp}, or set tp_plan={{'{name}': 'replicate'}}."
                 )
-            styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            styles[name] = VocabEmbedding(input_layouts=Replicate(), output_layouts=Replicate())
     for name, module in heads:
         if module.out_features == vocab and module.out_features % tp == 0:
             # The LM head: split the vocabulary and gather full logits so the user's loss is unchanged.
@@ -74,3 +75,13 @@ def weight_placement(style: ParallelStyle | None, module: nn.Module) -> Placemen
     if isinstance(style, ReplicatedOnShards):
         return Replicate()
     return None
+
+
+def refuse_adapters(model: nn.Module) -> None:
+    adapters = [n for n, m in model.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+    if adapters:
+        raise ValueError(
+            f"Module '{adapters[0]}' is a LoRA adapter (peft) around a projection; tensor parallelism does not split"
+            " adapters. Fine-tune adapters with pipeline_parallel and/or data parallelism (zero_stage 0-3), which"
+            " take them as they are, or merge them into the base weights first."
+        )

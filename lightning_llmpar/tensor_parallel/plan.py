@@ -5,9 +5,9 @@ out (attention: q/k/v then the output projection; MLP: up/gate then down; MoE: e
 FFN width). Between a region's column and row splits each rank holds only its heads or features, so one
 all-reduce per region (a reduce-scatter under sequence parallelism) restores the residual stream.
 Roles come from an explicit ``tp_plan`` first, then from the plan the model ships (transformers'
-``base_model_tp_plan``), then from projection names (``families``). Whatever holds parameters and fits
-no role is refused with the module's name and the fix, because a whole parameter inside a region would
-get only this rank's part of its gradient.
+``base_model_tp_plan``), then from projection names (``families``). Whatever holds parameters inside a
+region and fits no role is refused with the module's name and the fix, because a whole parameter there would
+get only this rank's part of its gradient; a Linear of no role on the whole hidden state is kept whole.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Replicate
 
-from lightning_llmpar.modeling.structure import find_block_stack, has_forward
+from lightning_llmpar.modeling.structure import count_attr, find_block_stack, has_forward
 from lightning_llmpar.tensor_parallel import families as fam
 from lightning_llmpar.tensor_parallel.entries import TP_STYLES, PlanEntry, SequenceParallelUnfit, TPPlan, user_style
 from lightning_llmpar.tensor_parallel.entries import has_params as _has_params
@@ -31,7 +31,7 @@ from lightning_llmpar.tensor_parallel.entries import own_parameter_message as _o
 from lightning_llmpar.tensor_parallel.lightning_attention import plan_lightning
 from lightning_llmpar.tensor_parallel.mla import LATENT, plan_mla
 from lightning_llmpar.tensor_parallel.moe import MoEPlanning, fused_experts
-from lightning_llmpar.tensor_parallel.outside import check_ties, plan_outside
+from lightning_llmpar.tensor_parallel.outside import check_ties, plan_outside, refuse_adapters
 from lightning_llmpar.tensor_parallel.packing import Packing
 from lightning_llmpar.tensor_parallel.param_styles import OwnPerHead, ReplicatedOnShards, ShardedNorm
 from lightning_llmpar.tensor_parallel.shipped import shipped_roles
@@ -91,13 +91,7 @@ class _Planner(MoEPlanning):
     # ------------------------------------------------------------------ the whole model
 
     def plan(self) -> TPPlan:
-        adapters = [n for n, m in self.model.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
-        if adapters:
-            raise ValueError(
-                f"Module '{adapters[0]}' is a LoRA adapter (peft) around a projection; tensor parallelism does not split"
-                " adapters. Fine-tune adapters with pipeline_parallel and/or data parallelism (zero_stage 0-3), which"
-                " take them as they are, or merge them into the base weights first."
-            )
+        refuse_adapters(self.model)
         stack = find_block_stack(self.model)
         if stack is None and not self.user_plan:
             raise ValueError(
@@ -202,7 +196,9 @@ class _Planner(MoEPlanning):
             covered.update(_join(full, n) for n, _ in module.named_modules())
             return False
         experts = [n for n, c in children.items() if self.roles.get(_join(full, n)) == "experts" or fused_experts(c, biases=True)]
-        if experts:
+        if experts:  # called by the block itself (Gemma 4): no module holds the MoE path alone to gather tokens for
+            if self.seq and is_block:
+                raise SequenceParallelUnfit(f"the experts of '{full}' are called by the block itself, beside attention")
             self._plan_moe(full, module, experts, covered)
             return False
         expert_list = next((n for n, c in children.items() if self._is_expert_list(c)), None)
@@ -316,8 +312,7 @@ class _Planner(MoEPlanning):
             # Some attention code splits with the (shared) config's head counts (Phi-3, LitGPT): give it its
             # own copy with this rank's counts.
             for attr in fam.HEAD_COUNT_ATTRS:
-                value = getattr(config, attr, None)
-                if isinstance(value, int) and not isinstance(value, bool):
+                if (value := count_attr(config, attr)) is not None:
                     patch[f"config.{attr}"] = value // self.tp
         if patch:
             self.result.local_counts[full] = patch
@@ -349,11 +344,17 @@ class _Planner(MoEPlanning):
                 # tokens and returns its output whole, so this module, left replicated, gets its full gradient.
                 continue
             if _linear_like(sub) and full not in self.claimed:
+                if region_of(full) is None and not any(regions.values()):
+                    # On the whole hidden state, outside attention and MLP (Gemma 4's per-layer input gate): kept
+                    # whole, as transformers' plans keep what they do not name. Every rank computes it alike and gets
+                    # its full gradient; on token shards it would not, so sequence parallelism goes off.
+                    if self.seq:
+                        raise SequenceParallelUnfit(f"'{full}' is a Linear outside attention and MLP, kept whole")
+                    continue
                 raise ValueError(
                     f"Cannot decide how to split Linear '{full}' for tensor parallelism: it is neither a q/k/v/output"
-                    f" projection next to its siblings nor an MLP up/gate/down projection. Give it a style in tp_plan"
-                    f" (e.g. tp_plan={{'{full}': 'colwise'}} or 'rowwise'); if it works on the full hidden state"
-                    f" outside attention and MLP, tp_plan={{'{full}': 'replicate'}} with sequence_parallel=False."
+                    f" projection next to its siblings nor an MLP projection inside '{region_of(full) or block_name}'."
+                    f" Give it a style in tp_plan (e.g. tp_plan={{'{full}': 'colwise'}} or 'rowwise')."
                 )
             if not _has_params(sub):
                 continue

@@ -15,12 +15,13 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from lightning_llmpar.modeling.structure import first_arg_name
 from lightning_llmpar.tensor_parallel.packing import Packing, to_packed
 
 __all__ = [
+    "VocabEmbedding",
     "SplitLinear",
     "SplitExperts",
     "HeadSlice",
@@ -330,3 +331,15 @@ class GatherFirstOutput(ParallelStyle):
 
         module.register_forward_hook(hook, with_kwargs=True)
         return module
+
+
+class VocabEmbedding(RowwiseParallel):
+    """The embedding split by vocabulary, its partial lookups summed. Its output is a tensor of its own, as an
+    embedding's is: models scale it in place (CTRL: ``inputs_embeds *= sqrt(d)``), which autograd forbids on the
+    view that ``DTensor.to_local`` returns."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
+                           device_mesh: Any) -> Any:
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return out.clone() if use_local_output else out
