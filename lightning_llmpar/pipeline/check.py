@@ -24,7 +24,14 @@ from torch import Tensor, nn
 from lightning_llmpar.modeling.materialize import has_meta_tensors, materialize
 from lightning_llmpar.modeling.structure import BlockStack
 from lightning_llmpar.modeling.ties import find_tied_weights, retie
-from lightning_llmpar.pipeline.split import _StandIn, narrow_blocks, output_form, outside_owners, stage_program
+from lightning_llmpar.pipeline.split import (
+    _StandIn,
+    narrow_blocks,
+    output_form,
+    outside_owners,
+    seeded_noise,
+    stage_program,
+)
 from lightning_llmpar.training.quiet import quiet_step
 
 __all__ = ["Reference", "check_split", "checkable", "first_sample", "run_whole"]
@@ -211,8 +218,7 @@ def check_split(
                 _check_stand_ins(where, stack.prefix, stand_ins,
                                  lambda: _sensitivities(run, incoming, s == last, trainable))
             if incoming is not None:  # a random change of the input must change the output
-                noise = torch.randn(incoming.shape, generator=torch.Generator().manual_seed(s), dtype=torch.float32)
-                moved = run(incoming + noise.to(incoming.device, incoming.dtype))[1]
+                moved = run(incoming + seeded_noise(incoming.shape, s, incoming.device, incoming.dtype))[1]
             else:
                 moved = None
             # Not depending on the input gives bit-identical results; any dependence changes them at least a little.
@@ -266,8 +272,7 @@ def _sensitivities(run: Callable[[Tensor], tuple[bool, Any]], incoming: Tensor, 
         if last:
             target = out.float().sum()
         else:
-            weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
-            target = (out.float() * weights.to(out.device)).sum()
+            target = (out.float() * seeded_noise(out.shape, 0, out.device, torch.float32)).sum()
         inputs = [x, *params] if x.requires_grad else list(params)
         grads = torch.autograd.grad(target, inputs, allow_unused=True)
     return [out.detach(), *grads]

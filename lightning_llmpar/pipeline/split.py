@@ -31,6 +31,7 @@ __all__ = [
     "outside_owners",
     "narrow_blocks",
     "output_form",
+    "seeded_noise",
 ]
 
 BATCH_KWARG = "llmpar_batch"
@@ -51,6 +52,11 @@ def _meta_copy(module: nn.Module) -> nn.Module:
         empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
         memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
     return copy.deepcopy(module, memo)
+
+
+def seeded_noise(shape: Any, seed: int, device: Any, dtype: torch.dtype) -> Tensor:
+    """Standard normal values drawn on the host from ``seed`` alone: the same on every rank and run."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).to(device, dtype)
 
 
 class _StandIn(nn.Module):
@@ -88,8 +94,7 @@ class _StandIn(nn.Module):
         # (code after it, such as rotary tables, takes its dtype from this output).
         dtype = self.dtype if self.dtype is not None and out.is_floating_point() else out.dtype
         if self.noise is not None and dtype.is_floating_point:
-            noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(self.noise), dtype=torch.float32)
-            return noise.to(device, dtype)
+            return seeded_noise(out.shape, self.noise, device, dtype)
         return torch.zeros(out.shape, dtype=dtype, device=device)
 
     def __getattr__(self, name: str) -> Any:
