@@ -144,6 +144,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "dbrx": ("DbrxConfig", {"d_model": 32, "n_heads": 4, "n_layers": 4, "max_seq_len": 32, "pad_token_id": 0,
                             "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
                             "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}}),
+    # CodeGen's fused qkv_proj holds 4 groups of [q; v; k] (a constant of its forward): each rank gets whole groups.
+    "codegen": ("CodeGenConfig", {"n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 32, "n_ctx": 32,
+                                  "rotary_dim": 4, "pad_token_id": 0}),
+    # Differential attention pairs head h with head h + heads/2, and all heads share its λ vectors.
+    "diffllama": ("DiffLlamaConfig", {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4, "pad_token_id": 0}),
     "ctrl": ("CTRLConfig", {"n_embd": 32, "n_layer": 4, "n_head": 4, "dff": 64, "n_positions": 32, "pad_token_id": 0}),
     "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"] * 2, "pad_token_id": 0}),  # gated short convolutions
     "olmo_hybrid": ("OlmoHybridConfig", {"layer_types": ["linear_attention", "full_attention"] * 2, "linear_num_key_heads": 2,

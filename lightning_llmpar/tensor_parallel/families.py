@@ -17,7 +17,7 @@ from lightning_llmpar.tensor_parallel.packing import Packing
 
 __all__ = [
     "Q", "K", "V", "OUT", "UP", "DOWN", "FUSED_QKV", "FUSED_UP", "HEAD_COUNT_ATTRS", "WIDTH_ATTRS",
-    "INTERLEAVED_EXPERTS",
+    "INTERLEAVED_EXPERTS", "PAIRED_HALVES",
     "FusedLayout", "fused_qkv_layout", "head_slices", "name_roles", "out_features",
 ]
 
@@ -34,6 +34,9 @@ FUSED_UP = {"gate_up_proj", "w13", "fc1_gate", "input_linear"}
 # Fused experts whose gate_up columns alternate [g0, u0, g1, u1, ...], for transformers versions that do not mark
 # them (is_concatenated=False).
 INTERLEAVED_EXPERTS = {"GptOssExperts"}
+# Differential attentions: head h is paired with head h + heads/2 (values: the two halves of the key/value heads),
+# so q, k and v split per half and each rank holds whole pairs.
+PAIRED_HALVES = {"DiffLlamaAttention"}
 
 # Attributes an attention module (or its own config) may read to reshape into heads; they hold per-rank
 # counts after TP.
@@ -91,11 +94,13 @@ def name_roles(children: dict[str, nn.Module], head_dim: int | None = None) -> d
 @dataclass(frozen=True)
 class FusedLayout:
     """How a fused q/k/v projection splits: ``packing`` (None: rows already grouped per head or per key/value
-    group, so a plain column split hands each rank whole heads) and the per-rank head counts to patch."""
+    group, so a plain column split hands each rank whole heads), the head counts to patch per rank, and other
+    attributes the forward splits with, by their per-rank values (``patch``)."""
 
     packing: Packing | None
     heads: int
     kv_heads: int
+    patch: tuple[tuple[str, int], ...] = ()
 
 
 def _concat(attn: nn.Module, tp: int, dim: int, q: int, kv: int, head_dim: int) -> FusedLayout:
@@ -133,6 +138,18 @@ def _gpt_bigcode(attn: nn.Module, tp: int) -> FusedLayout:
 def _phi3(attn: nn.Module, tp: int) -> FusedLayout:
     # qkv_proj rows [all q; all k; all v], split by the forward with config.num_attention_heads.
     return _concat(attn, tp, 0, attn.config.num_attention_heads, attn.num_key_value_heads, attn.head_dim)
+
+
+def _codegen(attn: nn.Module, tp: int) -> FusedLayout:
+    # qkv_proj rows are mp_num groups of [q; v; k], each group a run of whole heads, viewed by the forward as
+    # (mp_num, 3 * width / mp_num): a plain column split hands each rank whole groups if tp divides mp_num.
+    if attn.mp_num % tp:
+        raise ValueError(
+            f"CodeGen's qkv_proj is fused in mp_num={attn.mp_num} groups of [q; v; k]; tensor_parallel({tp}) would"
+            f" cut a group apart. Use a tensor_parallel degree that divides {attn.mp_num}."
+        )
+    heads = attn.num_attention_heads
+    return FusedLayout(None, heads, heads, (("mp_num", attn.mp_num // tp),))
 
 
 def _per_head(attn: nn.Module, tp: int) -> FusedLayout:
@@ -175,6 +192,7 @@ FUSED_QKV_LAYOUTS: dict[str, Callable[[nn.Module, int], FusedLayout | None]] = {
     "Attention": _openai_gpt,
     "MptAttention": _mpt,
     "DbrxAttention": _dbrx,
+    "CodeGenAttention": _codegen,
     "GPTBigCodeAttention": _gpt_bigcode,
 }
 

@@ -8,12 +8,12 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_llmpar.tensor_parallel.styles import _distribute, _local_params_in_forward, _to_dtensor
 
-__all__ = ["OwnPerHead", "ReplicatedOnShards", "ShardedNorm"]
+__all__ = ["OwnPerHead", "OwnShared", "ReplicatedOnShards", "ShardedNorm"]
 
 
 class ReplicatedOnShards(ParallelStyle):
@@ -107,3 +107,19 @@ class OwnPerHead(ParallelStyle):
             module.register_parameter(name, _distribute(getattr(module, name), device_mesh, Shard(0)))
         _local_params_in_forward(module, list(self.names))
         return module
+
+
+class OwnShared(ParallelStyle):
+    """Parameters an attention module holds itself that all its heads use (differential attention's λ vectors):
+    whole on every rank, each rank's gradient (from its heads) summed over the ranks."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.names = names
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in self.names:
+            module.register_parameter(name, _distribute(getattr(module, name), device_mesh, Replicate()))
+        _local_params_in_forward(module, list(self.names), lambda _n, p: p.to_local(grad_placements=(Partial(),)))
+        return module
+

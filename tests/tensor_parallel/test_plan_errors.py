@@ -459,3 +459,32 @@ def test_embedding_split_by_vocabulary_unless_it_holds_modules() -> None:
     assert type(infer_tp_plan(model, 2).styles["tok_emb"]).__name__ == "VocabEmbedding"
     model.tok_emb = _EmbeddingWithParts(64, 32)
     assert "tok_emb" not in infer_tp_plan(model, 2).styles
+
+
+def test_codegen_qkv_is_split_by_whole_groups_or_refused() -> None:
+    # CodeGen views its fused qkv_proj as 4 groups of [q; v; k] whatever the width: a degree dividing 4 hands each
+    # rank whole groups (and patches the group count it views with); one that does not would cut a group apart.
+    transformers = pytest.importorskip("transformers")
+    from tests.zoo import make_config
+
+    config = make_config("codegen")
+    config.n_head, config.n_embd = 8, 64
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert infer_tp_plan(model, 2).local_counts["transformer.h.0.attn"]["mp_num"] == 2
+    with pytest.raises(ValueError, match=r"mp_num=4 groups of \[q; v; k\]; tensor_parallel\(8\) would cut a group"):
+        infer_tp_plan(model, 8)
+
+
+def test_differential_attention_splits_each_half_of_its_heads() -> None:
+    # DiffLlama pairs head h with head h + heads/2: q, k and v are split per half so a rank holds whole pairs; its
+    # λ vectors stay whole with their gradient summed; key/value heads per half must divide by the degree.
+    transformers = pytest.importorskip("transformers")
+    from tests.zoo import make_config
+
+    model = transformers.AutoModelForCausalLM.from_config(make_config("diffllama"))
+    plan = infer_tp_plan(model, 2)
+    attn = "model.layers.0.self_attn"
+    assert plan.packings[f"{attn}.q_proj.weight"].sizes == (16, 16) and plan.packings[f"{attn}.v_proj.weight"].sizes == (8, 8)
+    assert type(plan.styles[f"{attn}#own"]).__name__ == "OwnShared"
+    with pytest.raises(ValueError, match=r"key/value heads per half = 2 is not divisible by tensor_parallel\(4\)"):
+        infer_tp_plan(model, 4)

@@ -1,0 +1,128 @@
+"""The attention part of the tensor-parallel planner: head counts, fused q/k/v layouts, an attention's own
+parameters and q/k norms, and the per-rank head counts its code reshapes with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lightning_llmpar.modeling.structure import count_attr
+from lightning_llmpar.tensor_parallel import families as fam
+from lightning_llmpar.tensor_parallel.entries import PlanEntry, TPPlan
+from lightning_llmpar.tensor_parallel.entries import has_params as _has_params
+from lightning_llmpar.tensor_parallel.entries import is_norm as _is_norm
+from lightning_llmpar.tensor_parallel.entries import join as _join
+from lightning_llmpar.tensor_parallel.entries import own_parameter_message as _own_message
+from lightning_llmpar.tensor_parallel.packing import Packing
+from lightning_llmpar.tensor_parallel.param_styles import OwnPerHead, OwnShared, ReplicatedOnShards, ShardedNorm
+from lightning_llmpar.tensor_parallel.styles import HeadSlice, is_conv1d
+
+__all__ = ["AttentionPlanning"]
+
+
+class AttentionPlanning:
+    """The attention part of the planner (mixed into it): needs ``tp``, ``styles``, ``claimed``, ``roles`` and
+    ``result`` from it."""
+
+    tp: int
+    styles: dict[str, PlanEntry | None]
+    claimed: set[str]
+    roles: dict[str, str]
+    result: TPPlan
+
+    def _column_packing(self, region: nn.Module, leaf: str, child: nn.Module, role: str, layout: Any) -> Packing | None:
+        """How a column-split projection of a region is cut: per fused piece, per half, or plainly (None)."""
+        if role == "qkv":
+            return layout.packing if layout is not None else None
+        # [gate; up] halves, or the two halves of heads a differential attention pairs (head h with h + heads/2).
+        paired = type(region).__name__ in fam.PAIRED_HALVES and leaf.lower() in fam.Q | fam.K | fam.V
+        if role != "gate_up" and not paired:
+            return None
+        width = fam.out_features(child)
+        return Packing(1 if is_conv1d(child) else 0, (width // 2, width // 2), self.tp)
+
+    def _plan_attention(self, full: str, attn: nn.Module, roles: dict[str, str], cols: list[str]) -> Any:
+        fused = [n for n in cols if roles[n] == "qkv"]
+        layout = None
+        if fused and _join(full, fused[0]) not in self.claimed:
+            layout = fam.fused_qkv_layout(attn, self.tp)
+            if layout is None:
+                name = _join(full, fused[0])
+                raise ValueError(
+                    f"Module '{name}' fuses q, k and v in one projection of {type(attn).__name__}, whose row layout"
+                    f" is not known. Describe it: with rows [all q; all k; all v] use tp_plan={{'{name}': {{'style':"
+                    f" 'colwise', 'sizes': [q_rows, k_rows, v_rows]}}}}; with rows grouped per head (GPT-NeoX,"
+                    f" Megatron) tp_plan={{'{name}': 'colwise'}}."
+                )
+        counts = {a: v for a in fam.HEAD_COUNT_ATTRS if isinstance(v := getattr(attn, a, None), int) and not isinstance(v, bool)}
+        if layout is not None:
+            counts.setdefault("query heads", layout.heads)
+            counts.setdefault("key/value heads", layout.kv_heads)
+        head_dim = getattr(attn, "head_dim", None) or getattr(getattr(attn, "config", None), "head_size", None)
+        if layout is not None and layout.packing is not None:
+            head_dim = layout.packing.sizes[0] // layout.heads
+        if isinstance(head_dim, int) and head_dim > 0 and not fused:
+            q = next((n for n in cols if n.lower() in fam.Q), None)
+            k = next((n for n in cols if n.lower() in fam.K), None)
+            if q is not None:
+                counts.setdefault("query heads", fam.out_features(attn.get_submodule(q)) // head_dim)
+            if k is not None:
+                counts.setdefault("key/value heads", fam.out_features(attn.get_submodule(k)) // head_dim)
+        if type(attn).__name__ in fam.PAIRED_HALVES:  # each half is split, so each rank holds whole pairs
+            counts.update({f"{what} per half": value // 2 for what, value in list(counts.items()) if "heads" in what})
+        for what, value in counts.items():
+            if value % self.tp:
+                raise ValueError(
+                    f"Attention module '{full}': {what} = {value} is not divisible by tensor_parallel({self.tp})."
+                    f" Use a tensor_parallel degree that divides every head count ({counts})."
+                )
+        own = {n: p for n, p in attn.named_parameters(recurse=False)}
+        if own and full not in self.claimed and type(attn).__name__ in fam.PAIRED_HALVES:
+            self.styles[full + "#own"] = OwnShared(tuple(own))  # the λ vectors every head pair uses
+        elif own and full not in self.claimed:
+            heads = counts.get("query heads")
+            bad = next((n for n, p in own.items() if heads is None or p.dim() == 0 or p.shape[0] != heads), None)
+            if bad is not None:
+                raise ValueError(_own_message(attn, full, bad, "heads"))
+            # One value per query head held by the attention itself (GPT-OSS's sinks): this rank's heads.
+            self.styles[full + "#own"] = OwnPerHead(tuple(own))
+        self._local_counts(full, attn, cols, layout)
+        slices = fam.head_slices(attn)
+        if slices:
+            self.styles[full + "#heads"] = HeadSlice(slices)
+        self._plan_qk_norms(full, attn, head_dim)
+        return layout
+
+    def _local_counts(self, full: str, attn: nn.Module, cols: list[str], layout: Any) -> None:
+        q_width = sum(fam.out_features(attn.get_submodule(n)) for n in cols if n.lower() in fam.Q)
+        if layout is not None and layout.packing is not None:
+            q_width = layout.packing.sizes[0]
+        elif layout is not None and isinstance(getattr(attn, "head_dim", None), int):
+            q_width = layout.heads * attn.head_dim
+        patch = {a: v // self.tp for a in fam.HEAD_COUNT_ATTRS if isinstance(v := getattr(attn, a, None), int) and not isinstance(v, bool)}
+        for attr in fam.WIDTH_ATTRS:
+            value = getattr(attn, attr, None)
+            if isinstance(value, int) and q_width and value == q_width:
+                patch[attr] = value // self.tp
+        patch.update(layout.patch if layout is not None else ())
+        config = getattr(attn, "config", None)
+        if config is not None:
+            # Some attention code splits with the (shared) config's head counts (Phi-3, LitGPT): give it its
+            # own copy with this rank's counts.
+            for attr in fam.HEAD_COUNT_ATTRS:
+                if (value := count_attr(config, attr)) is not None:
+                    patch[f"config.{attr}"] = value // self.tp
+        if patch:
+            self.result.local_counts[full] = patch
+
+    def _plan_qk_norms(self, full: str, attn: nn.Module, head_dim: Any) -> None:
+        for n, child in attn.named_children():
+            name = _join(full, n)
+            if name in self.claimed or not _is_norm(child) or not _has_params(child):
+                continue
+            size = next(child.parameters()).shape[0]
+            if self.roles.get(name) == "headwise" or (isinstance(head_dim, int) and size == head_dim):
+                self.styles[name] = ReplicatedOnShards(2)  # per head: this rank's heads, gradient summed
+            else:
+                self.styles[name] = ShardedNorm()  # over all heads' features: split with them
