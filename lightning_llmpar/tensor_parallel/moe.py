@@ -52,8 +52,12 @@ class MoEPlanning:
             self._add(full + "#out", GatherFirstOutput(Replicate(), TOKEN), covered)
         covered.update([full, _join(full, expert_list)])
 
-    def _plan_moe(self, full: str, moe: nn.Module, experts: list[str], covered: set[str]) -> None:
-        self._moe_layers.add(full)
+    def _plan_moe(self, full: str, moe: nn.Module, experts: list[str], covered: set[str], flat: bool = False) -> None:
+        """``flat``: the experts and their router are called by a block under sequence parallelism (Gemma 4), on
+        this rank's tokens flattened: each gathers all tokens (the same order on both), the experts' output is
+        scattered back; the block stays a plain block (its norms on token shards)."""
+        if not flat:
+            self._moe_layers.add(full)
         num_experts = {p.shape[0] for n in experts for p in moe.get_submodule(n).parameters(recurse=False)}
         hidden = None
         for n, child in moe.named_children():
@@ -63,6 +67,9 @@ class MoEPlanning:
                 # ranks, so it receives the full gradient.
                 covered.add(_join(full, n))
                 hidden = params[0].shape[1]
+                if flat:  # whole, on all tokens: every rank computes (and differentiates) it alike
+                    covered.update(_join(_join(full, n), s) for s, _ in child.named_modules())
+                    self._add(_join(full, n) + "#in", PrepareFirstInput(TOKEN, Replicate()), covered)
         for n in experts:
             name = _join(full, n)
             module = moe.get_submodule(n)
@@ -98,7 +105,16 @@ class MoEPlanning:
                         f"MoE experts '{name}.{pname}' has FFN width {p.shape[params[pname][0]]}, not divisible by"
                         f" tensor_parallel({self.tp})."
                     )
+            # Hooks run in the order the styles are applied: all tokens gathered before the experts' input sums its
+            # gradient over ranks, and their output summed before it is scattered (else each rank would combine
+            # its own chunk of another rank's partial sums).
+            if flat:
+                self._add(name + "#in", PrepareFirstInput(TOKEN, Replicate()), covered)
             self._add(name, SplitExperts(params), covered)
+            if flat:
+                self._add(name + "#out", GatherFirstOutput(Replicate(), TOKEN), covered)
+        if flat:
+            return
         if self.seq:
             self._add(full + "#in", PrepareFirstInput(TOKEN, Replicate()), covered)
             self._add(full + "#out", GatherFirstOutput(Replicate(), TOKEN), covered)

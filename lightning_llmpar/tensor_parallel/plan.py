@@ -196,11 +196,10 @@ class _Planner(MoEPlanning, AttentionPlanning):
             covered.update(_join(full, n) for n, _ in module.named_modules())
             return False
         experts = [n for n, c in children.items() if self.roles.get(_join(full, n)) == "experts" or fused_experts(c, biases=True)]
-        if experts:  # called by the block itself (Gemma 4): no module holds the MoE path alone to gather tokens for
-            if self.seq and is_block:
-                raise SequenceParallelUnfit(f"the experts of '{full}' are called by the block itself, beside attention")
-            self._plan_moe(full, module, experts, covered)
-            return False
+        if experts:  # called by the block itself (Gemma 4): under sequence parallelism no module holds the MoE path
+            # alone to gather tokens for, so the router and the experts gather their flat tokens themselves (inline)
+            self._plan_moe(full, module, experts, covered, flat=self.seq and is_block)
+            return self.seq and is_block
         expert_list = next((n for n, c in children.items() if self._is_expert_list(c)), None)
         if expert_list is not None:
             self._plan_expert_list(full, module, expert_list, covered)

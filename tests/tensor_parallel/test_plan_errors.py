@@ -488,3 +488,18 @@ def test_differential_attention_splits_each_half_of_its_heads() -> None:
     assert type(plan.styles[f"{attn}#own"]).__name__ == "OwnShared"
     with pytest.raises(ValueError, match=r"key/value heads per half = 2 is not divisible by tensor_parallel\(4\)"):
         infer_tp_plan(model, 4)
+
+
+def test_experts_called_by_the_block_gather_their_own_tokens_under_sequence_parallelism() -> None:
+    # Gemma 4 calls its router and experts from the block on the flattened tokens: under sequence parallelism each
+    # gathers all tokens itself (the experts before their gradient sum), the experts' output is scattered back after
+    # it is summed, and the block's norms stay on token shards. Hook order is style order, so it is asserted.
+    transformers = pytest.importorskip("transformers")
+    from tests.zoo import make_config
+
+    model = transformers.AutoModelForCausalLM.from_config(make_config("gemma4"))
+    plan = infer_tp_plan(model, 2)
+    assert plan.sequence_parallel and not plan.notes
+    keys = [k for k in plan.styles if k.startswith("model.layers.0.router") or k.startswith("model.layers.0.experts")]
+    assert keys == ["model.layers.0.router#in", "model.layers.0.experts#in", "model.layers.0.experts", "model.layers.0.experts#out"]
+    assert type(plan.styles["model.layers.0.pre_feedforward_layernorm_2"]).__name__ == "ReplicatedOnShards"
