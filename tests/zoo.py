@@ -149,6 +149,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                   "rotary_dim": 4, "pad_token_id": 0}),
     # Differential attention pairs head h with head h + heads/2, and all heads share its λ vectors.
     "diffllama": ("DiffLlamaConfig", {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4, "pad_token_id": 0}),
+    # Zamba2's hybrid layers each hold a copy of one shared attention block, tied to the same parameters.
+    "zamba2": ("Zamba2Config", {"head_dim": 8, "layers_block_type": ["mamba", "hybrid"] * 2, "pad_token_id": 0}),
     "ctrl": ("CTRLConfig", {"n_embd": 32, "n_layer": 4, "n_head": 4, "dff": 64, "n_positions": 32, "pad_token_id": 0}),
     "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"] * 2, "pad_token_id": 0}),  # gated short convolutions
     "olmo_hybrid": ("OlmoHybridConfig", {"layer_types": ["linear_attention", "full_attention"] * 2, "linear_num_key_heads": 2,

@@ -50,6 +50,12 @@ def apply_data_parallel(
     # Blocks first: each becomes its own all-gather / reduce-scatter unit, so communication for block
     # i+1 overlaps compute of block i. The root then owns what is left (embeddings, norm, head).
     if blocks is not None:
+        # Parameters several blocks use (Zamba's shared attention) form one unit of their own, wrapped first: each
+        # block's unit then leaves them to it (one parameter in two units is refused by FSDP2); it is gathered for
+        # every call and its gradient accumulated over them.
+        shared = [unit for module in _shared_modules(blocks) for unit in shard_units(module)]
+        if shared:
+            fully_shard(shared if len(shared) > 1 else shared[0], **kwargs)
         units = [unit for block in blocks.modules() for unit in shard_units(block)]
         # ZeRO 0-2 keep parameters gathered from forward to the end of backward, so larger units cost no memory
         # beyond one bucket's gradient: consecutive blocks share a unit of up to DDP's 25 MiB bucket, and a
@@ -82,6 +88,31 @@ def _buckets(units: list[nn.Module], cap: int) -> list[list[nn.Module]]:
             groups.append([unit])
             size = n
     return groups
+
+
+def _shared_modules(blocks: BlockStack) -> list[nn.Module]:
+    """The outermost modules, in any block, whose parameters all belong to more than one block (one module object
+    several blocks hold, or per-block modules tied to the same parameters, as Zamba's shared attention is)."""
+    holders: dict[int, set[int]] = {}
+    for i, block in enumerate(blocks.modules()):
+        for param in block.parameters():
+            holders.setdefault(id(param), set()).add(i)
+    shared = {key for key, held in holders.items() if len(held) > 1}
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        params = [id(p) for p in module.parameters()]
+        if params and all(key in shared for key in params):
+            if not any(module is seen for seen in found):
+                found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    if shared:
+        for block in blocks.modules():
+            visit(block)
+    return found
 
 
 def shard_units(module: nn.Module) -> list[nn.Module]:
