@@ -46,7 +46,7 @@ def test_frozen_parameters_and_lora_match_one_process_with_clipping() -> None:
     head, lora, attention = FROZEN
     # A pipeline stage with nothing to train still joins the clipping collective (it used to hang here).
     # ZeRO-2 groups the (partly or wholly frozen) blocks into shared FSDP2 units; ZeRO-3 keeps one unit per block.
-    # Tensor parallelism (LoRA under it is refused, below): frozen attention projections still reduce their
+    # Tensor parallelism (LoRA under it: below): frozen attention projections still reduce their
     # region's input gradient once, and the sequence-parallel norms' partial gradients are completed before clipping.
     cases = [({"pipeline_parallel": 2}, head, 0), ({"pipeline_parallel": 2}, lora, 1), ({"zero_stage": 3}, lora, 1),
              ({"zero_stage": 2}, head, 0), ({"zero_stage": 2}, lora, 1), ({"tensor_parallel": 2}, head, 0),
@@ -86,10 +86,27 @@ def test_fused_adamw_on_tied_frozen_and_padded_models_matches_one_process() -> N
             torch.testing.assert_close(weights[0][name], p, atol=5e-4, rtol=0, msg=f"{m} {kw} {name}")
 
 
-def test_lora_under_tensor_parallelism_is_refused_with_the_alternative() -> None:
+def test_lora_under_tensor_parallelism_matches_one_process() -> None:
+    # Adapters on every Linear of the blocks (lora_B drawn nonzero, so lora_A's gradient shows from the first step):
+    # on column splits (q/k/v, gate/up; GPT-2's fused Conv1D c_attn and Phi-3's fused qkv and gate_up split per
+    # piece, lora_B with them) and row splits (o/down), with and without sequence parallelism. With adapter dropout,
+    # masks on a column split's replicated input are alike on every rank, so the replicated lora_A stay equal.
     pytest.importorskip("peft")
-    out = _cases(2, [("llama", {"tensor_parallel": 2}, {"frozen": "lora"})])[0]
-    assert "LoRA adapter (peft)" in out[0]["error"] and "pipeline_parallel and/or data parallelism" in out[0]["error"]
+    lora = {"frozen": "lora_all"}
+    models = ["llama", "gpt2", "phi3"]
+    refs = _cases(1, [(m, None, lora) for m in models])
+    tp, no_sp = {"tensor_parallel": 2}, {"tensor_parallel": 2, "sequence_parallel": False}
+    cases = [(m, tp, lora) for m in models] + [("llama", no_sp, lora), ("llama", tp, {**lora, "dropout": 0.1}),
+                                                ("llama", tp, {"frozen": "dora"})]
+    outs = _cases(2, cases, timeout=300)
+    for ref, run in zip([*refs, refs[0]], outs[:4], strict=True):
+        assert_exact(ref[0], run)
+    assert set(refs[0][0]["grads"]) == {n for n in refs[0][0]["grads"] if "lora_" in n}, "only adapters train"
+    dropped = outs[4]
+    assert "error" not in dropped[0], dropped[0].get("error")
+    for name, p in dropped[0]["params"].items():
+        assert torch.equal(p, dropped[1]["params"][name]), name
+    assert "adapter variant" in outs[5][0]["error"] and "use_dora=False" in outs[5][0]["error"]
 
 
 # ----------------------------------------------------------------------------------------- precision

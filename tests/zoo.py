@@ -218,12 +218,19 @@ class HFCausalLM(LightningModule):
         elif frozen == "attention":  # frozen attention projections still pass their input gradient back
             for pname, p in self.model.named_parameters():
                 p.requires_grad_(".self_attn." not in pname)
-        elif frozen == "lora":
+        elif frozen in ("lora", "lora_all", "dora"):
             from peft import LoraConfig, get_peft_model
 
             torch.manual_seed(7)
-            self.model = get_peft_model(self.model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                               init_lora_weights="gaussian"))
+            # "lora_all": every Linear of the blocks (peft's "all-linear"), lora_B drawn nonzero so that lora_A's
+            # gradient is tested from the first step.
+            targets = ["q_proj", "v_proj"] if frozen == "lora" else "all-linear"
+            self.model = get_peft_model(self.model, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                               init_lora_weights="gaussian", lora_dropout=dropout,
+                                                               use_dora=frozen == "dora"))
+            for pname, p in self.model.named_parameters():
+                if frozen == "lora_all" and "lora_B" in pname:
+                    torch.nn.init.normal_(p, std=0.05)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.manual_clip is not None:

@@ -29,7 +29,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, r
         name = key.split("#", 1)[0]
         parallelize_module(model.get_submodule(name) if name else model, tp_mesh, style)
     if rank_streams:
-        apply_rank_streams(model, plan.rank_streams, tp_mesh.get_local_rank())
+        apply_rank_streams(model, plan.rank_streams, tp_mesh.get_local_rank(), plan.replicated_dropout)
     for name, counts in plan.local_counts.items():
         module = model.get_submodule(name)
         for attr, value in counts.items():

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_llmpar.tensor_parallel.lora import is_lora
 from lightning_llmpar.tensor_parallel.packing import Packing
 from lightning_llmpar.tensor_parallel.param_styles import ReplicatedOnShards, ShardedNorm
 from lightning_llmpar.tensor_parallel.styles import (
@@ -39,6 +40,9 @@ class TPPlan:
     # Modules whose activations differ per rank, up to their row-split projections: their dropout runs on a
     # per-rank random stream (see tensor_parallel.rng).
     rank_streams: dict[str, list[str]] = field(default_factory=dict)
+    # Dropout modules inside such a part that see replicated activations (a LoRA adapter's on a column split's
+    # input): the same mask on every rank.
+    replicated_dropout: list[str] = field(default_factory=list)
 
 
 def user_style(spec: Any, module: nn.Module, tp: int, name: str, pattern: str) -> tuple[PlanEntry, Packing | None]:
@@ -93,7 +97,8 @@ def join(prefix: str, name: str) -> str:
 
 
 def linear_like(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or is_conv1d(module)
+    """A projection: nn.Linear, transformers' Conv1D, or a peft LoRA layer around one (split with it: lora.py)."""
+    return isinstance(module, nn.Linear) or is_conv1d(module) or (is_lora(module) and linear_like(module.base_layer))
 
 
 def is_norm(module: nn.Module) -> bool:

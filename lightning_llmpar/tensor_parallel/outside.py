@@ -10,10 +10,12 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_llmpar.tensor_parallel.entries import join as _join
+from lightning_llmpar.tensor_parallel.lora import check_lora, is_lora, lora_parameter_names
+from lightning_llmpar.tensor_parallel.packing import Packing
 from lightning_llmpar.tensor_parallel.param_styles import ReplicatedOnShards
 from lightning_llmpar.tensor_parallel.styles import SplitLinear, VocabEmbedding
 
-__all__ = ["check_ties", "plan_outside", "refuse_adapters", "weight_placement"]
+__all__ = ["check_adapters", "check_ties", "plan_outside", "weight_placement"]
 
 
 def plan_outside(model: nn.Module, tp: int, styles: dict[str, Any], claimed: set[str], stack_prefix: str | None) -> None:
@@ -77,11 +79,28 @@ def weight_placement(style: ParallelStyle | None, module: nn.Module) -> Placemen
     return None
 
 
-def refuse_adapters(model: nn.Module) -> None:
-    adapters = [n for n, m in model.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
-    if adapters:
-        raise ValueError(
-            f"Module '{adapters[0]}' is a LoRA adapter (peft) around a projection; tensor parallelism does not split"
-            " adapters. Fine-tune adapters with pipeline_parallel and/or data parallelism (zero_stage 0-3), which"
-            " take them as they are, or merge them into the base weights first."
-        )
+def check_adapters(model: nn.Module, styles: dict[str, Any], packings: dict[str, Packing]) -> None:
+    """Every peft LoRA layer is split as the projection it wraps (lora.py) or kept whole with it; any other adapter
+    module is refused. A packing recorded for a LoRA layer's weight applies to its base layer and its lora_B."""
+    for name, module in model.named_modules():
+        if not (hasattr(module, "base_layer") and hasattr(module, "lora_A")):
+            continue
+        style = styles.get(name)
+        inside = [k for k, s in styles.items() if s is not None and k != name and k.split("#", 1)[0].startswith(name)]
+        if style is None and not inside:
+            continue  # kept whole, with its base layer: every rank computes it alike
+        if not (isinstance(style, SplitLinear) and is_lora(module)):
+            raise ValueError(
+                f"Module '{name}' is a LoRA adapter (peft) around a module that tensor parallelism splits other than"
+                " as a projection (an embedding, the output head, MoE experts). Leave it out of the adapters'"
+                " target_modules, or fine-tune with pipeline_parallel and/or data parallelism (zero_stage 0-3), which"
+                " take it as it is."
+            )
+        check_lora(module, name)
+        for suffix in ("weight", "bias"):
+            packing = packings.pop(f"{name}.{suffix}", None)
+            for target in lora_parameter_names(module, name) if packing is not None else ():
+                if isinstance(getattr(model.get_submodule(target), suffix, None), nn.Parameter):
+                    # lora_B is an nn.Linear even around a Conv1D (weight (in, out)): its outputs are rows.
+                    dim = packing.dim if target.endswith("base_layer") or suffix == "bias" else 0
+                    packings[f"{target}.{suffix}"] = Packing(dim, packing.sizes, packing.tp)

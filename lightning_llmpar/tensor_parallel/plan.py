@@ -30,9 +30,10 @@ from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.entries import linear_like as _linear_like
 from lightning_llmpar.tensor_parallel.entries import own_parameter_message as _own_message
 from lightning_llmpar.tensor_parallel.lightning_attention import plan_lightning
+from lightning_llmpar.tensor_parallel.lora import is_lora
 from lightning_llmpar.tensor_parallel.mla import LATENT, plan_mla
 from lightning_llmpar.tensor_parallel.moe import MoEPlanning, fused_experts
-from lightning_llmpar.tensor_parallel.outside import check_ties, plan_outside, refuse_adapters
+from lightning_llmpar.tensor_parallel.outside import check_adapters, check_ties, plan_outside
 from lightning_llmpar.tensor_parallel.packing import Packing
 from lightning_llmpar.tensor_parallel.param_styles import ReplicatedOnShards
 from lightning_llmpar.tensor_parallel.shipped import shipped_roles
@@ -91,7 +92,6 @@ class _Planner(MoEPlanning, AttentionPlanning):
     # ------------------------------------------------------------------ the whole model
 
     def plan(self) -> TPPlan:
-        refuse_adapters(self.model)
         stack = find_block_stack(self.model)
         if stack is None and not self.user_plan:
             raise ValueError(
@@ -118,6 +118,7 @@ class _Planner(MoEPlanning, AttentionPlanning):
                 self.styles.setdefault(last + "#out", GatherFirstOutput(TOKEN, Replicate()))
         plan_outside(self.model, self.tp, self.styles, self.claimed, stack.prefix if stack is not None else None)
         check_ties(self.model, self.styles)
+        check_adapters(self.model, self.styles, self.result.packings)
         return self.result
 
     # ------------------------------------------------------------------ one block
@@ -155,6 +156,15 @@ class _Planner(MoEPlanning, AttentionPlanning):
                 streams[expert] = []
             if not experts:
                 streams[name] = rows
+            # A LoRA adapter's dropout: on a column split's (replicated) input alike on every rank, on a row split's
+            # (this rank's features, after the part ends) per rank.
+            for split, style in self.styles.items():
+                if not (split.startswith(name + ".") and isinstance(style, SplitLinear)):
+                    continue
+                if is_lora(lora := self.model.get_submodule(split)):
+                    drops = [f"{split}.lora_dropout.{k}" for k, m in lora.lora_dropout.items() if isinstance(m, nn.Dropout)]
+                    self.result.replicated_dropout.extend(drops if style.kind == "col" else [])
+                    streams.update({d: [] for d in drops if style.kind == "row"})
         if self.seq:
             for sub_name, sub in block.named_modules():
                 full = _join(block_name, sub_name)
@@ -304,7 +314,10 @@ class _Planner(MoEPlanning, AttentionPlanning):
             )
 
     def _add(self, name: str, style: PlanEntry, covered: set[str]) -> None:
-        covered.add(name.split("#", 1)[0])
+        base = name.split("#", 1)[0]
+        covered.add(base)
+        if isinstance(style, SplitLinear) and is_lora(module := self.model.get_submodule(base)):
+            covered.update(_join(base, n) for n, _ in module.named_modules())  # its layers are split with it
         if name not in self.claimed:
             self.styles[name] = style
 

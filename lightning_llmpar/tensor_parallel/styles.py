@@ -15,9 +15,10 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_llmpar.modeling.structure import first_arg_name
+from lightning_llmpar.tensor_parallel.lora import check_lora, is_lora
 from lightning_llmpar.tensor_parallel.packing import Packing, to_packed
 
 __all__ = [
@@ -124,6 +125,8 @@ class SplitLinear(ParallelStyle):
         return output.to_local()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if is_lora(module):  # a peft LoRA layer: its base layer split so, its adapters to match (lora.py)
+            return self._split_lora(module, device_mesh)
         if not (isinstance(module, nn.Linear) or is_conv1d(module)):
             raise ValueError(f"SplitLinear splits nn.Linear or transformers Conv1D layers, not {type(module).__name__}.")
         return distribute_module(
@@ -133,6 +136,22 @@ class SplitLinear(ParallelStyle):
             lambda mod, inputs, mesh: self._prepare_input(mod, inputs, mesh),
             lambda mod, outputs, mesh: self._prepare_output(mod, outputs, mesh),
         )
+
+    def _split_lora(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        check_lora(module, type(module).__name__)
+        parallelize_module(module.base_layer, mesh, self)
+        for key in module.lora_A:
+            lora_a, lora_b = module.lora_A[key], module.lora_B[key]
+            if self.kind == "col":  # A whole on the replicated input; B split by outputs, per piece if fused
+                if self.input == TOKEN:  # the base layer gathers this rank's tokens itself (an inline MLP): A too
+                    parallelize_module(lora_a, mesh, PrepareFirstInput(TOKEN, Replicate()))
+                packing = self.packing and Packing(0, self.packing.sizes, self.packing.tp)  # lora_B is a Linear
+                parallelize_module(lora_b, mesh, SplitLinear("col", input=Replicate(), packing=packing))
+            else:  # A split by inputs, its output summed; B whole, its output cut to this rank's tokens under SP
+                parallelize_module(lora_a, mesh, SplitLinear("row", input=self.input, output=Replicate()))
+                if self.output == TOKEN:
+                    parallelize_module(lora_b, mesh, GatherFirstOutput(Replicate(), TOKEN))
+        return module
 
     def __repr__(self) -> str:
         packed = f", packing={self.packing.sizes}" if self.packing is not None else ""
