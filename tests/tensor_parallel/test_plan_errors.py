@@ -417,14 +417,20 @@ def test_lightning_and_kimi_delta_attention_split_by_heads() -> None:
     assert kimi.local_counts[f"{delta}.forget_gate"] == {"num_heads": 2, "qkv_dim": 16}
 
 
-def test_multi_query_attention_is_refused_by_its_one_key_value_head() -> None:
-    # StarCoder's GPTBigCode with multi_query=True: one key/value head cannot be split, as Megatron refuses it.
+def _zoo_model(name: str, **overrides: object) -> nn.Module:
+    """A transformers model of the zoo (tests/zoo.py), its config changed by ``overrides``."""
     transformers = pytest.importorskip("transformers")
     from tests.zoo import make_config
 
-    config = make_config("gpt_bigcode")
-    config.multi_query = True
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    config = make_config(name)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_multi_query_attention_is_refused_by_its_one_key_value_head() -> None:
+    # StarCoder's GPTBigCode with multi_query=True: one key/value head cannot be split, as Megatron refuses it.
+    model = _zoo_model("gpt_bigcode", multi_query=True)
     with pytest.raises(ValueError, match=r"'transformer.h.0.attn': key/value heads = 1 is not divisible by tensor_parallel\(2\)"):
         infer_tp_plan(model, 2)
 
@@ -464,12 +470,7 @@ def test_embedding_split_by_vocabulary_unless_it_holds_modules() -> None:
 def test_codegen_qkv_is_split_by_whole_groups_or_refused() -> None:
     # CodeGen views its fused qkv_proj as 4 groups of [q; v; k] whatever the width: a degree dividing 4 hands each
     # rank whole groups (and patches the group count it views with); one that does not would cut a group apart.
-    transformers = pytest.importorskip("transformers")
-    from tests.zoo import make_config
-
-    config = make_config("codegen")
-    config.n_head, config.n_embd = 8, 64
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = _zoo_model("codegen", n_head=8, n_embd=64)
     assert infer_tp_plan(model, 2).local_counts["transformer.h.0.attn"]["mp_num"] == 2
     with pytest.raises(ValueError, match=r"mp_num=4 groups of \[q; v; k\]; tensor_parallel\(8\) would cut a group"):
         infer_tp_plan(model, 8)
@@ -478,10 +479,7 @@ def test_codegen_qkv_is_split_by_whole_groups_or_refused() -> None:
 def test_differential_attention_splits_each_half_of_its_heads() -> None:
     # DiffLlama pairs head h with head h + heads/2: q, k and v are split per half so a rank holds whole pairs; its
     # λ vectors stay whole with their gradient summed; key/value heads per half must divide by the degree.
-    transformers = pytest.importorskip("transformers")
-    from tests.zoo import make_config
-
-    model = transformers.AutoModelForCausalLM.from_config(make_config("diffllama"))
+    model = _zoo_model("diffllama")
     plan = infer_tp_plan(model, 2)
     attn = "model.layers.0.self_attn"
     assert plan.packings[f"{attn}.q_proj.weight"].sizes == (16, 16) and plan.packings[f"{attn}.v_proj.weight"].sizes == (8, 8)
@@ -494,10 +492,7 @@ def test_experts_called_by_the_block_gather_their_own_tokens_under_sequence_para
     # Gemma 4 calls its router and experts from the block on the flattened tokens: under sequence parallelism each
     # gathers all tokens itself (the experts before their gradient sum), the experts' output is scattered back after
     # it is summed, and the block's norms stay on token shards. Hook order is style order, so it is asserted.
-    transformers = pytest.importorskip("transformers")
-    from tests.zoo import make_config
-
-    model = transformers.AutoModelForCausalLM.from_config(make_config("gemma4"))
+    model = _zoo_model("gemma4")
     plan = infer_tp_plan(model, 2)
     assert plan.sequence_parallel and not plan.notes
     keys = [k for k in plan.styles if k.startswith("model.layers.0.router") or k.startswith("model.layers.0.experts")]
