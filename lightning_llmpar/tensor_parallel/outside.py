@@ -86,7 +86,7 @@ def check_adapters(model: nn.Module, styles: dict[str, Any], packings: dict[str,
         if not (hasattr(module, "base_layer") and hasattr(module, "lora_A")):
             continue
         style = styles.get(name)
-        inside = [k for k, s in styles.items() if s is not None and k != name and k.split("#", 1)[0].startswith(name)]
+        inside = [k for k, s in styles.items() if s is not None and k.split("#", 1)[0].startswith(name + ".")]
         if style is None and not inside:
             continue  # kept whole, with its base layer: every rank computes it alike
         if not (isinstance(style, SplitLinear) and is_lora(module)):
