@@ -97,7 +97,7 @@ def test_lora_under_tensor_parallelism_matches_one_process() -> None:
     refs = _cases(1, [(m, None, lora) for m in models])
     tp, no_sp = {"tensor_parallel": 2}, {"tensor_parallel": 2, "sequence_parallel": False}
     cases = [(m, tp, lora) for m in models] + [("llama", no_sp, lora), ("llama", tp, {**lora, "dropout": 0.1}),
-                                                ("llama", tp, {"frozen": "dora"})]
+                                                ("llama", tp, {"frozen": "dora"}), ("jamba", tp, lora), ("qwen3_moe", tp, lora)]
     outs = _cases(2, cases, timeout=300)
     for ref, run in zip([*refs, refs[0]], outs[:4], strict=True):
         assert_exact(ref[0], run)
@@ -107,6 +107,9 @@ def test_lora_under_tensor_parallelism_matches_one_process() -> None:
     for name, p in dropped[0]["params"].items():
         assert torch.equal(p, dropped[1]["params"][name]), name
     assert "adapter variant" in outs[5][0]["error"] and "use_dora=False" in outs[5][0]["error"]
+    # Refused before work: adapters on a Mamba mixer's projections, and on fused MoE experts (peft's "all-linear").
+    assert "a state-space or linear-attention mixer" in outs[6][0]["error"]
+    assert "mlp.experts' is a LoRA adapter" in outs[7][0]["error"] and "MoE experts" in outs[7][0]["error"]
 
 
 # ----------------------------------------------------------------------------------------- precision

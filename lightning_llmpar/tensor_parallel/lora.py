@@ -17,9 +17,11 @@ itself is ``styles.SplitLinear`` applied to a LoRA layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
-__all__ = ["check_lora", "is_lora", "lora_parameter_names"]
+__all__ = ["check_lora", "is_lora", "lora_parameter_names", "refuse_in_mixer"]
 
 
 def is_lora(module: nn.Module) -> bool:
@@ -49,3 +51,25 @@ def check_lora(module: nn.Module, name: str) -> None:
 def lora_parameter_names(module: nn.Module, name: str) -> list[str]:
     """The split parameters' names of a LoRA layer styled as one projection: the base layer's and lora_B's (column)."""
     return [f"{name}.base_layer"] + [f"{name}.lora_B.{key}" for key in module.lora_B]
+
+
+def refuse_in_mixer(full: str, module: nn.Module, planned: Callable[[], object]) -> None:
+    """Refuse LoRA layers on a state-space or linear-attention mixer (``planned()`` recognises it once they are
+    unwrapped): its plan splits and reads its projections' weights by name, which adapters do not follow."""
+    wrapped = {n: child for n, child in module.named_children() if is_lora(child)}
+    if not wrapped:
+        return
+    for n, child in wrapped.items():
+        setattr(module, n, child.base_layer)
+    try:
+        mixer = planned()
+    finally:
+        for n, child in wrapped.items():
+            setattr(module, n, child)
+    if mixer is not None:
+        raise ValueError(
+            f"LoRA adapters on {sorted(wrapped)} of '{full}' ({type(module).__name__}), a state-space or"
+            " linear-attention mixer: tensor parallelism splits adapters only on attention and MLP projections."
+            " Leave the mixer's projections out of target_modules, or fine-tune with pipeline_parallel and/or data"
+            " parallelism (zero_stage 0-3), which take them as they are."
+        )

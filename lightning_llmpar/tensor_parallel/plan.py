@@ -30,7 +30,7 @@ from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.entries import linear_like as _linear_like
 from lightning_llmpar.tensor_parallel.entries import own_parameter_message as _own_message
 from lightning_llmpar.tensor_parallel.lightning_attention import plan_lightning
-from lightning_llmpar.tensor_parallel.lora import is_lora
+from lightning_llmpar.tensor_parallel.lora import is_lora, refuse_in_mixer
 from lightning_llmpar.tensor_parallel.mla import LATENT, plan_mla
 from lightning_llmpar.tensor_parallel.moe import MoEPlanning, fused_experts
 from lightning_llmpar.tensor_parallel.outside import check_adapters, check_ties, plan_outside
@@ -196,6 +196,9 @@ class _Planner(MoEPlanning, AttentionPlanning):
                 return None
         elif full not in self.claimed:
             mixer = plan_ssm(full, module, self.tp, self.seq) or plan_lightning(full, module, self.tp, self.seq)
+            if mixer is None:
+                refuse_in_mixer(full, module, lambda: plan_ssm(full, module, self.tp, self.seq)
+                                or plan_lightning(full, module, self.tp, self.seq))
         else:
             mixer = None
         if mixer is not None:
