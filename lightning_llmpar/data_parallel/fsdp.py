@@ -56,7 +56,9 @@ def apply_data_parallel(
         shared = [unit for module in _shared_modules(blocks) for unit in shard_units(module)]
         if shared:
             fully_shard(shared if len(shared) > 1 else shared[0], **kwargs)
-        units = [unit for block in blocks.modules() for unit in shard_units(block)]
+        # A block the stack holds twice is one unit; one that is wholly shared is a unit already.
+        seen = {id(unit): unit for block in blocks.modules() for unit in shard_units(block)}
+        units = [unit for unit in seen.values() if not isinstance(unit, FSDPModule)]
         # ZeRO 0-2 keep parameters gathered from forward to the end of backward, so larger units cost no memory
         # beyond one bucket's gradient: consecutive blocks share a unit of up to DDP's 25 MiB bucket, and a
         # step makes a few large collectives instead of one small one per block. ZeRO-3 keeps one unit per block
