@@ -100,13 +100,12 @@ def _shared_modules(blocks: BlockStack) -> list[nn.Module]:
         for param in block.parameters():
             holders.setdefault(id(param), set()).add(i)
     shared = {key for key, held in holders.items() if len(held) > 1}
-    found: list[nn.Module] = []
+    found: dict[int, nn.Module] = {}  # by id: one module object several blocks hold is found once
 
     def visit(module: nn.Module) -> None:
         params = [id(p) for p in module.parameters()]
         if params and all(key in shared for key in params):
-            if not any(module is seen for seen in found):
-                found.append(module)
+            found[id(module)] = module
             return
         for child in module.children():
             visit(child)
@@ -114,7 +113,7 @@ def _shared_modules(blocks: BlockStack) -> list[nn.Module]:
     if shared:
         for block in blocks.modules():
             visit(block)
-    return found
+    return list(found.values())
 
 
 def shard_units(module: nn.Module) -> list[nn.Module]:

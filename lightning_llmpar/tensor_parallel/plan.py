@@ -195,10 +195,12 @@ class _Planner(MoEPlanning, AttentionPlanning):
                     self.styles[_join(full, n)] = None
                 return None
         elif full not in self.claimed:
-            mixer = plan_ssm(full, module, self.tp, self.seq) or plan_lightning(full, module, self.tp, self.seq)
+            def plan_mixer() -> Any:
+                return plan_ssm(full, module, self.tp, self.seq) or plan_lightning(full, module, self.tp, self.seq)
+
+            mixer = plan_mixer()
             if mixer is None:
-                refuse_in_mixer(full, module, lambda: plan_ssm(full, module, self.tp, self.seq)
-                                or plan_lightning(full, module, self.tp, self.seq))
+                refuse_in_mixer(full, module, plan_mixer)
         else:
             mixer = None
         if mixer is not None:
