@@ -89,27 +89,28 @@ def test_fused_adamw_on_tied_frozen_and_padded_models_matches_one_process() -> N
 def test_lora_under_tensor_parallelism_matches_one_process() -> None:
     # Adapters on every Linear of the blocks (lora_B drawn nonzero, so lora_A's gradient shows from the first step):
     # on column splits (q/k/v, gate/up; GPT-2's fused Conv1D c_attn and Phi-3's fused qkv and gate_up split per
-    # piece, lora_B with them) and row splits (o/down), with and without sequence parallelism. With adapter dropout,
+    # piece, lora_B with them) and row splits (o/down; Doge's dt_proj, whose output is cut to this rank's key/value
+    # heads), with and without sequence parallelism. With adapter dropout,
     # masks on a column split's replicated input are alike on every rank, so the replicated lora_A stay equal.
     pytest.importorskip("peft")
     lora = {"frozen": "lora_all"}
-    models = ["llama", "gpt2", "phi3"]
+    models = ["llama", "gpt2", "phi3", "doge"]
     refs = _cases(1, [(m, None, lora) for m in models])
     tp, no_sp = {"tensor_parallel": 2}, {"tensor_parallel": 2, "sequence_parallel": False}
     cases = [(m, tp, lora) for m in models] + [("llama", no_sp, lora), ("llama", tp, {**lora, "dropout": 0.1}),
                                                 ("llama", tp, {"frozen": "dora"}), ("jamba", tp, lora), ("qwen3_moe", tp, lora)]
     outs = _cases(2, cases, timeout=300)
-    for ref, run in zip([*refs, refs[0]], outs[:4], strict=True):
+    for ref, run in zip([*refs, refs[0]], outs[:5], strict=True):
         assert_exact(ref[0], run)
     assert set(refs[0][0]["grads"]) == {n for n in refs[0][0]["grads"] if "lora_" in n}, "only adapters train"
-    dropped = outs[4]
+    dropped = outs[5]
     assert "error" not in dropped[0], dropped[0].get("error")
     for name, p in dropped[0]["params"].items():
         assert torch.equal(p, dropped[1]["params"][name]), name
-    assert "adapter variant" in outs[5][0]["error"] and "use_dora=False" in outs[5][0]["error"]
+    assert "adapter variant" in outs[6][0]["error"] and "use_dora=False" in outs[6][0]["error"]
     # Refused before work: adapters on a Mamba mixer's projections, and on fused MoE experts (peft's "all-linear").
-    assert "a state-space or linear-attention mixer" in outs[6][0]["error"]
-    assert "mlp.experts' is a LoRA adapter" in outs[7][0]["error"] and "MoE experts" in outs[7][0]["error"]
+    assert "a state-space or linear-attention mixer" in outs[7][0]["error"]
+    assert "mlp.experts' is a LoRA adapter" in outs[8][0]["error"] and "MoE experts" in outs[8][0]["error"]
 
 
 # ----------------------------------------------------------------------------------------- precision

@@ -31,11 +31,14 @@ MODELS = [
 # [q; k; v] rows with ALiBi biases (MPT), blocks that return lists (OpenAI GPT), per-head fused q/k/v (GPTBigCode),
 # attention output gates per feature (AFMoE) and per head (LFM3); experts called by the block itself and per-layer
 # head counts (Gemma 4), an MLP in an nn.Sequential kept whole and an embedding scaled in place (CTRL); q/k/v fused in
-# groups by a constant of the forward (CodeGen) and differential attention's paired heads and shared λ (DiffLlama).
+# groups by a constant of the forward (CodeGen), differential attention's paired heads and shared λ (DiffLlama), and a
+# dynamic mask computed from all key/value heads with a parameter per key/value head (Doge), and an attention that
+# returns a bias of its own for the block to add (GPT-NeoX-Japanese).
 MORE_MODELS = ["qwen2_moe", "glm4_moe", "gemma3", "cohere", "phi", "smollm3", "persimmon", "nemotron", "apertus", "llama4",
                "deepseek_v3", "deepseek_v2", "gpt_oss", "mamba", "jamba", "bamba", "nemotron_h", "falcon_h1",
                "granitemoehybrid", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "lfm2", "minimax", "kimi_linear", "mpt",
-               "openai_gpt", "gpt_bigcode", "afmoe", "lfm3", "gemma4", "ctrl", "codegen", "diffllama"]
+               "openai_gpt", "gpt_bigcode", "afmoe", "lfm3", "gemma4", "ctrl", "codegen", "diffllama", "doge",
+               "gpt_neox_japanese"]
 # Per-layer inputs computed before the stack (Gemma 4's small models, Gemma 3n): exact at tp2, refused at pp2.
 TP_ONLY = ["gemma4_ple", "gemma3n"]
 # Blocks tied to one shared attention block (Zamba2): ZeRO-3 shards it as a unit of its own. Tensor parallelism does

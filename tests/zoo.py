@@ -24,7 +24,7 @@ from tests.workloads import kernels
 VOCAB, SEQ, SAMPLES = 64, 16, 64
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=32)
-_NO_SDPA = {"gemma2", "bloom", "gpt_oss", "mamba", "mpt", "openai_gpt"}
+_NO_SDPA = {"gemma2", "bloom", "gpt_oss", "mamba", "mpt", "openai_gpt", "gpt_neox_japanese"}
 # Gemma 4 amplifies fp32 reordering at lr 0.5: one process against two data-parallel ranks (alike at ZeRO 0, 1
 # and 3) drifts ~30x a step from 2e-7 while the first step's gradients agree within 1.2e-7. Its cases train at a
 # rate where six steps stay comparable.
@@ -149,6 +149,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                   "rotary_dim": 4, "pad_token_id": 0}),
     # Differential attention pairs head h with head h + heads/2, and all heads share its λ vectors.
     "diffllama": ("DiffLlamaConfig", {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4, "pad_token_id": 0}),
+    # Doge's dynamic mask: one value per key/value head from all heads' values (dt_proj) and a parameter of its own
+    # per key/value head (A). Its window is longer than the sequence: top-k keys over exp(A * softplus(dt)), with A
+    # zero at initialization, picks among values equal to the last bit, so any reordered sum flips the choice.
+    "doge": ("DogeConfig", {"attention_bias": True, "pad_token_id": 0}),
+    # GPT-NeoX-Japanese: per-head fused [q_h; k_h; v_h], and the last layer's attention returns a bias of its own
+    # that the block adds after the output projection.
+    "gpt_neox_japanese": ("GPTNeoXJapaneseConfig", {}),
     # Zamba2's hybrid layers each hold a copy of one shared attention block, tied to the same parameters.
     "zamba2": ("Zamba2Config", {"head_dim": 8, "layers_block_type": ["mamba", "hybrid"] * 2, "pad_token_id": 0}),
     "ctrl": ("CTRLConfig", {"n_embd": 32, "n_layer": 4, "n_head": 4, "dff": 64, "n_positions": 32, "pad_token_id": 0}),

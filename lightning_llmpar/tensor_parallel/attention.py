@@ -26,6 +26,7 @@ class AttentionPlanning:
     ``result`` from it."""
 
     tp: int
+    seq: bool
     styles: dict[str, PlanEntry | None]
     claimed: set[str]
     roles: dict[str, str]
@@ -78,14 +79,21 @@ class AttentionPlanning:
                     f" Use a tensor_parallel degree that divides every head count ({counts})."
                 )
         own = {n: p for n, p in attn.named_parameters(recurse=False)}
+        returned = tuple(n for n in fam.RETURNED_BIAS.get(type(attn).__name__, ()) if n in own)
+        if returned and full not in self.claimed:
+            # Added by the block after the row split's reduction: whole tokens alike on every rank, or under sequence
+            # parallelism this rank's tokens, whose gradients sum to the whole.
+            self.styles[full + "#returned"] = OwnShared(returned, summed=self.seq)
+            own = {n: p for n, p in own.items() if n not in returned}
         if own and full not in self.claimed and type(attn).__name__ in fam.PAIRED_HALVES:
             self.styles[full + "#own"] = OwnShared(tuple(own))  # the λ vectors every head pair uses
         elif own and full not in self.claimed:
-            heads = counts.get("query heads")
-            bad = next((n for n, p in own.items() if heads is None or p.dim() == 0 or p.shape[0] != heads), None)
+            heads = {counts.get("query heads"), counts.get("key/value heads")} - {None}
+            bad = next((n for n, p in own.items() if p.dim() == 0 or p.shape[0] not in heads), None)
             if bad is not None:
                 raise ValueError(_own_message(attn, full, bad, "heads"))
-            # One value per query head held by the attention itself (GPT-OSS's sinks): this rank's heads.
+            # One value per query head (GPT-OSS's sinks) or key/value head (Doge's A) held by the attention itself:
+            # this rank's heads, split as its projections split them.
             self.styles[full + "#own"] = OwnPerHead(tuple(own))
         self._local_counts(full, attn, cols, layout)
         slices = fam.head_slices(attn)

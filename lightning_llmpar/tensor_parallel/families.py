@@ -17,7 +17,7 @@ from lightning_llmpar.tensor_parallel.packing import Packing
 
 __all__ = [
     "Q", "K", "V", "OUT", "UP", "DOWN", "FUSED_QKV", "FUSED_UP", "HEAD_COUNT_ATTRS", "WIDTH_ATTRS",
-    "INTERLEAVED_EXPERTS", "PAIRED_HALVES",
+    "INTERLEAVED_EXPERTS", "PAIRED_HALVES", "HEADS_TO_HEADS", "RETURNED_BIAS",
     "FusedLayout", "fused_qkv_layout", "head_slices", "name_roles", "out_features",
 ]
 
@@ -37,6 +37,12 @@ INTERLEAVED_EXPERTS = {"GptOssExperts"}
 # Differential attentions: head h is paired with head h + heads/2 (values: the two halves of the key/value heads),
 # so q, k and v split per half and each rank holds whole pairs.
 PAIRED_HALVES = {"DiffLlamaAttention"}
+# Projections inside an attention that read all key/value heads' values and give one value per key/value head
+# (Doge's dynamic mask, dt_proj): split by rows, the sum over ranks scattered so each rank gets its own heads'.
+HEADS_TO_HEADS = {"DogeAttention": ("dt_proj",)}
+# An attention's own parameter its forward returns for the block to add after the output projection, a row split's
+# bias in all but name (GPT-NeoX-Japanese's dense_bias): kept whole.
+RETURNED_BIAS = {"GPTNeoXJapaneseAttention": ("dense_bias",)}
 
 # Attributes an attention module (or its own config) may read to reshape into heads; they hold per-rank
 # counts after TP.
@@ -153,8 +159,8 @@ def _codegen(attn: nn.Module, tp: int) -> FusedLayout:
 
 
 def _per_head(attn: nn.Module, tp: int) -> FusedLayout:
-    # GPT-NeoX, Bloom, Persimmon: rows [q_h; k_h; v_h] per head.
-    heads = getattr(attn, "num_heads", None) or attn.config.num_attention_heads
+    # GPT-NeoX, GPT-NeoX-Japanese, Bloom, Persimmon: rows [q_h; k_h; v_h] per head.
+    heads = getattr(attn, "num_heads", None) or getattr(attn, "num_attention_heads", None) or attn.config.num_attention_heads
     return FusedLayout(None, heads, heads)
 
 
@@ -186,6 +192,7 @@ FUSED_QKV_LAYOUTS: dict[str, Callable[[nn.Module, int], FusedLayout | None]] = {
     "GPT2Attention": _gpt2,
     "Phi3Attention": _phi3,
     "GPTNeoXAttention": _per_head,
+    "GPTNeoXJapaneseAttention": _per_head,
     "BloomAttention": _per_head,
     "PersimmonAttention": _per_head,
     "FalconAttention": _falcon,

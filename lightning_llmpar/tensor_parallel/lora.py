@@ -8,8 +8,8 @@ has the base output's layout on every rank:
   like the base layer (with the same packing for a fused projection). ``lora_B``'s column split sums its input
   gradient over the ranks, so ``lora_A`` gets its full gradient, the same on every rank.
 - row split (by input features): ``lora_A`` split by its inputs like the base layer, its rank-``r`` output summed
-  over the ranks; ``lora_B`` whole on that sum. Under sequence parallelism its output is cut to this rank's tokens,
-  as the base layer's is reduce-scattered.
+  over the ranks; ``lora_B`` whole on that sum. Its output is cut as the base layer's is reduce-scattered: to this
+  rank's tokens under sequence parallelism, to this rank's heads for a projection onto heads (Doge's ``dt_proj``).
 
 Adapter variants with parameters of their own beside A and B (DoRA's magnitude vector) are refused. The split
 itself is ``styles.SplitLinear`` applied to a LoRA layer.

@@ -95,8 +95,8 @@ class ShardedNorm(ParallelStyle):
 
 
 class OwnPerHead(ParallelStyle):
-    """Parameters an attention module holds itself with one value per query head (GPT-OSS's sinks), split by
-    heads like its projections: each rank's code sees its heads' values."""
+    """Parameters an attention module holds itself with one value per query head (GPT-OSS's sinks) or per key/value
+    head (Doge's A), split by heads like its projections: each rank's code sees its heads' values."""
 
     def __init__(self, names: tuple[str, ...]) -> None:
         super().__init__()
@@ -110,16 +110,19 @@ class OwnPerHead(ParallelStyle):
 
 
 class OwnShared(ParallelStyle):
-    """Parameters an attention module holds itself that all its heads use (differential attention's λ vectors):
-    whole on every rank, each rank's gradient (from its heads) summed over the ranks."""
+    """Parameters an attention module holds itself that all its heads use (differential attention's λ vectors), or
+    that it returns for the block to add to the residual stream (GPT-NeoX-Japanese's ``dense_bias``): whole on every
+    rank. ``summed``: each rank's gradient (from its heads, or its tokens under sequence parallelism) is a part,
+    summed over the ranks; else every rank computes the whole gradient alike."""
 
-    def __init__(self, names: tuple[str, ...]) -> None:
+    def __init__(self, names: tuple[str, ...], summed: bool = True) -> None:
         super().__init__()
-        self.names = names
+        self.names, self.summed = names, summed
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name in self.names:
             module.register_parameter(name, _distribute(getattr(module, name), device_mesh, Replicate()))
-        _local_params_in_forward(module, list(self.names), lambda _n, p: p.to_local(grad_placements=(Partial(),)))
+        grads = (Partial(),) if self.summed else (Replicate(),)
+        _local_params_in_forward(module, list(self.names), lambda _n, p: p.to_local(grad_placements=grads))
         return module
 

@@ -18,7 +18,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 
 from lightning_llmpar.modeling.structure import find_block_stack, has_forward
 from lightning_llmpar.tensor_parallel import families as fam
@@ -253,6 +253,8 @@ class _Planner(MoEPlanning, AttentionPlanning):
                 self._record_packing(name, children[n], packing)
         for n in sorted(rows):
             self._add(_join(full, n), SplitLinear("row", output=row_out), covered)
+        for n in fam.HEADS_TO_HEADS.get(type(module).__name__, ()) if attention else ():
+            self._add(_join(full, n), SplitLinear("row", output=Shard(-1)), covered)
         if not inline and not (self.seq and in_moe):  # a MoE layer under SP gathers its input itself
             self._add(full + "#in", PrepareFirstInput(TOKEN if self.seq else Replicate(), Replicate()), covered)
         if not inline:

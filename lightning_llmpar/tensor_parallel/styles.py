@@ -147,10 +147,11 @@ class SplitLinear(ParallelStyle):
                     parallelize_module(lora_a, mesh, PrepareFirstInput(TOKEN, Replicate()))
                 packing = self.packing and Packing(0, self.packing.sizes, self.packing.tp)  # lora_B is a Linear
                 parallelize_module(lora_b, mesh, SplitLinear("col", input=Replicate(), packing=packing))
-            else:  # A split by inputs, its output summed; B whole, its output cut to this rank's tokens under SP
+            else:  # A split by inputs, its output summed; B whole, its output cut as the base layer's is (this
+                # rank's tokens under SP, its heads' values for a projection onto heads)
                 parallelize_module(lora_a, mesh, SplitLinear("row", input=self.input, output=Replicate()))
-                if self.output == TOKEN:
-                    parallelize_module(lora_b, mesh, GatherFirstOutput(Replicate(), TOKEN))
+                if self.output != Replicate():
+                    parallelize_module(lora_b, mesh, GatherFirstOutput(Replicate(), self.output))
         return module
 
     def __repr__(self) -> str:
