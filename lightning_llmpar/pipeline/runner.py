@@ -19,6 +19,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torchmetrics import Metric
 
@@ -100,6 +101,11 @@ class PipelineRunner:
         def reduce_grad(grad_scale_factor: int) -> None:
             if not (self.defer_reduction and grad_scale_factor == 1):
                 original(grad_scale_factor)
+            elif isinstance(stage.submod, FSDPModule):
+                # Single-stage schedules leave the stage unsharded after its backward, so the module would show its
+                # unsharded parameters, whose gradients (this rank's, unreduced) the step takes as its result. Back
+                # to shards: the unsharded gradients stay inside FSDP for the reduction that sums the micro-steps.
+                stage.submod.reshard()
 
         stage.perform_reduce_grad = reduce_grad  # type: ignore[method-assign]
 
