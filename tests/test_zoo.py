@@ -39,10 +39,11 @@ MORE_MODELS = ["qwen2_moe", "glm4_moe", "gemma3", "cohere", "phi", "smollm3", "p
                "granitemoehybrid", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "lfm2", "minimax", "kimi_linear", "mpt",
                "openai_gpt", "gpt_bigcode", "afmoe", "lfm3", "gemma4", "ctrl", "codegen", "diffllama", "doge",
                "gpt_neox_japanese"]
-# Per-layer inputs computed before the stack (Gemma 4's small models, Gemma 3n): exact at tp2, refused at pp2.
+# Per-layer inputs computed before the stack (Gemma 4's small models, Gemma 3n): exact at tp2; under pipeline
+# parallelism with one stage per rank, see test_blocks_reading_values_from_before_the_stack_under_pipeline_parallelism.
 TP_ONLY = ["gemma4_ple", "gemma3n"]
 # Blocks tied to one shared attention block (Zamba2): ZeRO-3 shards it as a unit of its own. Tensor parallelism does
-# not split its Mamba layers and pipeline parallelism refuses blocks that read the embeddings.
+# not split its Mamba layers; its blocks read the embeddings (pipeline parallelism: the test named above).
 DP_ONLY = ["zamba2"]
 LITGPT_MODELS = ["litgpt_llama", "litgpt_pythia", "litgpt_gemma2", "litgpt_phi2", "litgpt_qwen3", "litgpt_mixtral",
                  "litgpt_falcon", "litgpt_gemma3", "litgpt_olmo2"]
@@ -108,14 +109,25 @@ def test_four_ranks_match_one_process(model: str, layout: str, references: dict,
     assert_exact(references[model], four_rank_runs[(model, layout)])
 
 
-def test_per_layer_inputs_are_refused_under_pipeline_parallelism() -> None:
-    # No pipeline carries them between stages. Gemma 3n's enter every block through a scale initialized to zero:
-    # at initialization only the gradients of a later stage show that it reads them (it trained silently wrong).
-    pp2 = {"pipeline_parallel": 2}
-    outs = run_ranks(fit_cases, 2, [(m, pp2, GLOBAL_BATCH) for m in TP_ONLY], timeout=600)
-    for model, words in (("gemma4_ple", "computes something else"), ("gemma3n", "depends on what")):
-        errors = [o[(model, repr(pp2))].get("error", "") for o in outs]
-        assert all("Pipeline split: stage 1" in e and words in e for e in errors), (model, errors)
+def test_blocks_reading_values_from_before_the_stack_under_pipeline_parallelism(references: dict) -> None:
+    # Gemma 3n's per-layer inputs (through a scale initialized to zero, so at initialization only a later stage's
+    # gradients show that it reads them: it trained silently wrong before) and Zamba2's embeddings are computed
+    # before the stack: those modules run on every rank, their gradients summed, the embedding tied to the head.
+    one_stage = {"pipeline_parallel": 2, "pipeline_schedule": "1F1B"}
+    two = [("gemma3n", one_stage, GLOBAL_BATCH), ("zamba2", {**one_stage, "pipeline_schedule": "GPipe"}, GLOBAL_BATCH),
+           ("gemma3n", {"pipeline_parallel": 2}, GLOBAL_BATCH), ("gemma4_ple", one_stage, GLOBAL_BATCH)]
+    four = [("gemma3n", {**one_stage, "pipeline_parallel": 4}, GLOBAL_BATCH),
+            ("zamba2", {**one_stage, "zero_stage": 3}, GLOBAL_BATCH // 2)]
+    outs2, outs4 = run_ranks(fit_cases, 2, two, timeout=900), run_ranks(fit_cases, 4, four, timeout=900)
+    for (name, kwargs, _), outs in [*zip(two[:2], [outs2] * 2), *zip(four, [outs4] * 2)]:
+        assert_exact(references[name], [o[(name, repr(kwargs))] for o in outs], sharded=False)
+    # Several stages per rank (the default interleaved schedule) cannot share them: refused with the fix.
+    errors = [o[("gemma3n", repr(two[2][1]))].get("error", "") for o in outs2]
+    assert all("run on every pipeline rank" in e and "pipeline_schedule='1F1B'" in e for e in errors), errors
+    # Gemma 4's small models also reuse earlier layers' keys and values in their last layers: no cut of four layers
+    # keeps them on one stage, and the split says so.
+    errors = [o[("gemma4_ple", repr(one_stage))].get("error", "") for o in outs2]
+    assert all("Pipeline split: stage 1" in e and "fails when run on its own" in e for e in errors), errors
 
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]

@@ -3,7 +3,8 @@
 - Tensor parallelism shards a tied weight once and hands the same parameter to every module using it;
   the plan must split it the same way everywhere (embedding rows and LM-head output features are both
   dim 0 of the weight), which `check_tied_styles` verifies before anything is split.
-- Pipeline parallelism gives every stage that uses a tied weight its own copy, as Megatron does: the
+- Pipeline parallelism gives every stage that uses a tied weight its own copy, as Megatron does (and every rank a
+  copy of the modules before the stack when the blocks read what they compute, see pipeline.check): the
   copies start equal (`TiedCopies.make_equal`) and, after each step, their gradients are summed over the
   stages holding them (`TiedCopies.sum_grads`), so every copy takes the same update. The gradient norm
   counts the weight once (`TiedCopies.duplicates`), and checkpoints store the optimizer state of every
@@ -119,11 +120,19 @@ class TiedCopies:
         stage_of: Callable[[str], int],
         rank_of_stage: Callable[[int], int],
         mesh: DeviceMesh,
+        replicas: Sequence[str] = (),
     ) -> TiedCopies:
-        """Every rank calls this with the same arguments (process groups are created collectively)."""
+        """Every rank calls this with the same arguments (process groups are created collectively). ``replicas``:
+        parameters every pipeline rank holds (modules before the stack that every stage runs), one copy per rank;
+        the copy on the first rank counts."""
         pp_rank = mesh.get_local_rank("pp")
-        groups: list[_Group] = []
+        everywhere = mesh.get_group("pp")
+        groups = [_Group(TiedWeight((n,)), [n], everywhere, 0, n if pp_rank == 0 else None) for n in replicas]
         for weight in tied:
+            if set(weight.names) & set(replicas):
+                # An embedding tied to the head: the last rank's head is its copy of the embedding itself (one
+                # parameter there), so the sum over the replicas takes the head's gradient in.
+                continue
             stages = sorted({stage_of(n) for n in weight.names})
             if len(stages) < 2:
                 continue

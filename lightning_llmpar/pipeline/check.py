@@ -163,10 +163,13 @@ def run_whole(module: nn.Module, stack: BlockStack, step: Callable[[], Any]) -> 
 @torch.no_grad()
 def check_split(
     module: nn.Module, reference: Reference, ranges: Sequence[tuple[int, int]], step: Callable[[], Any]
-) -> None:
+) -> bool:
     """Raise a ValueError if running ``step`` stage by stage (``ranges``: blocks per stage) differs from the
-    ``reference`` run of it whole. ``module`` is the unsplit model; it is left as it was."""
+    ``reference`` run of it whole. ``module`` is the unsplit model; it is left as it was. Returns whether the
+    modules before the stack must run on every stage: the blocks read values they compute besides the first
+    block's input (Gemma 3n's and Gemma 4's per-layer inputs, Zamba's embeddings)."""
     stack, outputs = reference.stack, reference.outputs
+    replicate = False
     _check_calls(stack, reference.calls)
     before, after = outside_owners(module, stack)
     blocks = stack.blocks
@@ -180,7 +183,7 @@ def check_split(
         last = len(ranges) - 1
         for s, (start, stop) in enumerate(ranges):
             stand_ins: dict[str, nn.Module] = {}
-            if s > 0:
+            if s > 0 and not replicate:
                 stand_ins.update({n: _StandIn(module.get_submodule(n), n, True, blocks) for n in before})
             if s < last:
                 stand_ins.update({n: _StandIn(module.get_submodule(n), n, False, blocks) for n in after})
@@ -190,6 +193,14 @@ def check_split(
                     return stage_program(module, blocks, (start, stop), s == last, value, stand_ins, step)
 
             where = f"stage {s} (blocks {start}..{stop - 1} of '{stack.prefix}')"
+            if s > 0 and before and not replicate and incoming is not None:
+                trainable = [p for p in module.parameters() if p.requires_grad]
+                if _reads_before(stand_ins, lambda: _sensitivities(run, incoming, s == last, trainable)):
+                    # The stage needs what the modules before the stack compute: they run on every stage (the
+                    # split below then runs them whole, and must still give the whole model's values).
+                    replicate = True
+                    for n in before:
+                        del stand_ins[n]
             try:
                 cut, value = run(incoming)
             except Exception as error:  # the whole step ran: only the cut makes it fail
@@ -213,10 +224,6 @@ def check_split(
                     " split would train wrong. Cut elsewhere with pipeline_split_points=[...], name another block stack"
                     " with block_stack='...', or train this model without pipeline parallelism."
                 )
-            if s > 0 and before:
-                trainable = [p for p in module.parameters() if p.requires_grad]
-                _check_stand_ins(where, stack.prefix, stand_ins,
-                                 lambda: _sensitivities(run, incoming, s == last, trainable))
             if incoming is not None:  # a random change of the input must change the output
                 moved = run(incoming + seeded_noise(incoming.shape, s, incoming.device, incoming.dtype))[1]
             else:
@@ -229,6 +236,7 @@ def check_split(
                     " block stack its forward chains with block_stack='...', or do without pipeline parallelism."
                 )
             incoming = value
+        return replicate
     finally:
         blocks.__class__ = original_class
         for attr in ("_llmpar_total", "_llmpar_passes", "_llmpar_window", "_llmpar_entered"):
@@ -278,18 +286,17 @@ def _sensitivities(run: Callable[[Tensor], tuple[bool, Any]], incoming: Tensor, 
     return [out.detach(), *grads]
 
 
-def _check_stand_ins(where: str, prefix: str, stand_ins: dict[str, nn.Module],
-                     probe: Callable[[], list[Tensor | None]]) -> None:
+def _reads_before(stand_ins: dict[str, nn.Module], probe: Callable[[], list[Tensor | None]]) -> bool:
     """On a later stage the modules before the stack (the embedding) are stand-ins returning zeros, and the first
-    block's input is replaced by the activation received. Refuse a stage whose output or gradients (of its input
+    block's input is replaced by the activation received. Whether the stage's output or gradients (of its input
     and of any parameter) change when the stand-ins return random values instead: its blocks read a value from
     before the stack besides that input. At initialization such a path can change the output too little for the
     comparison with the whole run to tell (Zamba's blocks concatenate the embeddings), or not at all: Gemma-3n's
     per-layer inputs enter through a scale initialized to zero, so only gradients see them. This test does not
     depend on a tolerance."""
     before = {n: m for n, m in stand_ins.items() if isinstance(m, _StandIn) and m.before_stack}
-    zeros = probe()
     try:
+        zeros = probe()
         for seed, stand_in in enumerate(before.values()):
             stand_in.noise = seed + 1
         moved = probe()
@@ -297,16 +304,9 @@ def _check_stand_ins(where: str, prefix: str, stand_ins: dict[str, nn.Module],
             (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
             for a, b in zip(zeros, moved)
         )
-    except Exception:  # noqa: BLE001 - failing on other values than zeros is depending on them too
+    except Exception:  # noqa: BLE001 - failing on the stand-ins' values is depending on them too
         same = False
     finally:
         for stand_in in before.values():
             stand_in.noise = None
-    if not same:
-        raise ValueError(
-            f"Pipeline split: {where} depends on what {sorted(before)} compute before the block stack on the first"
-            f" stage, besides the input of its first block: the model's forward hands the blocks of '{prefix}' a"
-            " value from before the stack (as Zamba's blocks take the embeddings and Gemma-3n's their per-layer"
-            " inputs), which a pipeline does not carry between stages. Train this model without pipeline"
-            " parallelism (pipeline_parallel=1)."
-        )
+    return not same

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -14,7 +15,7 @@ from lightning_llmpar.modeling.structure import find_block_stack, has_forward
 from lightning_llmpar.modeling.ties import TiedCopies, find_tied_weights
 from lightning_llmpar.pipeline.check import check_split, checkable, run_whole
 from lightning_llmpar.pipeline.runner import PipelineRunner
-from lightning_llmpar.pipeline.split import split_model, stage_costs, stage_finder
+from lightning_llmpar.pipeline.split import outside_owners, split_model, stage_costs, stage_finder
 from lightning_llmpar.pipeline.stages import SCHEDULES, V_SCHEDULES, StageLayout, plan_stages
 
 __all__ = ["PipelineConfig", "build_pipeline", "ZERO_BUBBLE_SCHEDULES"]
@@ -113,13 +114,43 @@ def build_pipeline(
         stack = reference.stack if reference is not None else stack
         costs, first, last = stage_costs(module, stack)
         ranges = plan_stages(costs, num_stages, first_extra=first, last_extra=last, split_points=config.split_points)
-        if reference is not None:
-            check_split(module, reference, ranges, check)
+        replicate = check_split(module, reference, ranges, check) if reference is not None else False
+    replicate = _agreed(replicate, device, pp_mesh.get_group())
+    before = outside_owners(module, stack)[0] if replicate else []
+    around = [b for b in before if stack.prefix.startswith(b + ".")]
+    if around:
+        raise ValueError(
+            f"Pipeline split: the blocks of '{stack.prefix}' read values computed before the stack, so the modules"
+            f" computing them would run on every pipeline rank, but '{around[0]}' holds parameters of its own and the"
+            " blocks too: it cannot run apart from them. Train this model without pipeline parallelism"
+            " (pipeline_parallel=1); tensor and data parallelism take it."
+        )
+    if before and config.virtual_stages > 1:
+        raise ValueError(
+            f"Pipeline split: the blocks of '{stack.prefix}' read values that {_few(before)} compute before the stack"
+            " (per-layer inputs, the embeddings), so those modules run on every pipeline rank, their gradients summed"
+            f" over the ranks. pipeline_schedule={config.schedule!r} runs {config.virtual_stages} stages per rank,"
+            " which cannot share them: set pipeline_schedule='1F1B' (or 'GPipe'), or train without pipeline"
+            " parallelism (pipeline_parallel=1)."
+        )
     layout = StageLayout(config.degree, config.virtual_stages, config.schedule in V_SCHEDULES, ranges)
     tied = find_tied_weights(module)
     stage_of = stage_finder(module, stack, layout)
-    parts, swaps = split_model(module, stack, layout, pp_mesh.get_local_rank(), tied, param_dtype)
-    ties = TiedCopies.build(module, tied, stage_of, layout.rank_of, mesh)
+    # Named on the whole model, alike on every rank (the split leaves each rank a different part of it).
+    replicas = [n for n, _ in module.named_parameters() if any(n.startswith(b + ".") for b in before)]
+    parts, swaps = split_model(module, stack, layout, pp_mesh.get_local_rank(), tied, param_dtype, replicate)
+    ties = TiedCopies.build(module, tied, stage_of, layout.rank_of, mesh, replicas)
     return PipelineRunner(
         module, stack.blocks, layout, parts, swaps, pp_mesh, device, config.schedule, config.microbatches, ties, tokens
     )
+
+
+def _agreed(flag: bool, device: torch.device, group: Any) -> bool:
+    """``flag`` if any pipeline rank's check set it: every rank must split alike."""
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(f"'{n}'" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

@@ -42,7 +42,7 @@ class StageBoundary(Exception):
 
     def __init__(self, activation: Tensor) -> None:
         super().__init__("pipeline stage boundary")
-        self.activation = activation
+        self.activation = activation.contiguous()  # sent point to point: a view (Inkling's blocks return one) cannot be
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:
@@ -351,14 +351,15 @@ def split_model(
     pp_rank: int,
     tied: Sequence[TiedWeight] = (),
     param_dtype: torch.dtype | None = None,
+    replicate_before: bool = False,
 ) -> tuple[dict[int, dict[str, nn.Module]], dict[str, tuple[nn.Module, nn.Module]]]:
     """Remove from ``model`` what other pipeline ranks hold; return this rank's parts per stage.
 
-    Also returns, for the modules before the stack that this rank keeps, a (real, stand-in) pair:
-    the rank's later stages must run the stand-in, or they would use (and, under ZeRO-3, find
-    resharded) the first stage's embedding. Tied weights used by several of this rank's stages get a
-    copy per stage (see lightning_llmpar.modeling.ties).
-    """
+    Also returns, for the modules before the stack that this rank keeps, a (real, stand-in) pair: the rank's later
+    stages must run the stand-in, or they would use (and, under ZeRO-3, find resharded) the first stage's embedding.
+    Tied weights used by several of this rank's stages get a copy per stage (see lightning_llmpar.modeling.ties).
+    ``replicate_before``: the blocks read what the modules before the stack compute, so every rank (holding one
+    stage) keeps them and runs them whole; their gradients are summed over the ranks (``TiedCopies``)."""
     before, after = outside_owners(model, stack)
     local = layout.stages_of(pp_rank)
     last = layout.num_stages - 1
@@ -371,7 +372,9 @@ def split_model(
             parts[s][f"{stack.prefix}.{i}"] = blocks[i]
     swaps: dict[str, tuple[nn.Module, nn.Module]] = {}
     for name in before:
-        if 0 in local:
+        if replicate_before:
+            parts[local[0]][name] = model.get_submodule(name)
+        elif 0 in local:
             parts[0][name] = real = model.get_submodule(name)
             swaps[name] = (real, _StandIn(real, name, True, blocks, param_dtype))
         else:

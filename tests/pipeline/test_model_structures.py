@@ -29,6 +29,10 @@ EXACT = [
     # Blocks return (output, state), found by running the model whole (the meta device cannot run them); a stage
     # starting at a block that makes its own state gets a pass-through's (activation, None).
     ("passes_state", {**PP2, "pipeline_schedule": "1F1B"}),
+    # Every block reads the embeddings (through a scale initialized to zero: only gradients show it): the embedding
+    # runs on every rank, its gradient summed, under a schedule with one stage per rank.
+    ("reads_embedding", {**PP2, "pipeline_schedule": "1F1B"}),
+    ("reads_gated_embedding", {**PP2, "pipeline_schedule": "GPipe"}),
 ]
 # (model, strategy kwargs, words the ValueError must contain): refused before the first step.
 REFUSED = [
@@ -37,8 +41,9 @@ REFUSED = [
     ("unchained", PP2, ["stage 1", "block_stack="]),
     ("passes_state", PP2, ["stage 1", "fails when run on its own", "pipeline_split_points"]),  # starts at a shared block
     ("looped", PP2, ["calls block 1", "2 times", "pipeline_parallel=1"]),  # a recurrent-depth forward
-    ("reads_embedding", PP2, ["stage 1", "depends on what", "embeddings", "pipeline_parallel=1"]),
-    ("reads_gated_embedding", PP2, ["stage 1", "depends on what", "pipeline_parallel=1"]),  # seen in gradients only
+    # ... which several stages per rank (the default interleaved schedule) cannot share.
+    ("reads_embedding", PP2, ["'emb'", "run on every pipeline rank", "pipeline_schedule='1F1B'"]),
+    ("reads_gated_embedding", PP2, ["run on every pipeline rank", "pipeline_schedule='1F1B'"]),  # seen in gradients only
     ("zipped", {**PP2, "block_stack": "nope"}, ["block_stack='nope'", "names no module"]),
     ("zipped", {**PP2, "block_stack": "head"}, ["block_stack='head'", "nn.ModuleList"]),
 ]
@@ -59,7 +64,7 @@ def litgpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
 
 @pytest.fixture(scope="module")
 def runs(litgpt_dir: Path | None) -> tuple[dict, dict]:
-    refs = [("containers", None, BATCH), ("zipped", None, BATCH), ("passes_state", None, BATCH)]
+    refs = [(m, None, BATCH) for m in ("containers", "zipped", "passes_state", "reads_embedding", "reads_gated_embedding")]
     cases = [(m, kw, _per_rank(kw)) for m, kw in EXACT] + [(m, kw, _per_rank(kw)) for m, kw, _ in REFUSED]
     if litgpt_dir is not None:
         # A LitGPT checkpoint (fused qkv, q/k norms) read per rank into a model built on the meta device.
