@@ -11,7 +11,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_llmpar.modeling.structure import find_block_stack, has_forward
+from lightning_llmpar.modeling.structure import MARK, find_block_stack, has_forward
 from lightning_llmpar.modeling.ties import TiedCopies, find_tied_weights
 from lightning_llmpar.pipeline.check import check_split, checkable, run_whole
 from lightning_llmpar.pipeline.runner import PipelineRunner
@@ -133,6 +133,9 @@ def build_pipeline(
             " which cannot share them: set pipeline_schedule='1F1B' (or 'GPipe'), or train without pipeline"
             " parallelism (pipeline_parallel=1)."
         )
+    # What runs after the split (tensor parallelism, checkpointing) takes this stack too: on a rank's part of the
+    # model another list may hold more (Zamba2's per-layer adapter lists), and would be taken for the blocks.
+    setattr(stack.blocks, MARK, True)
     layout = StageLayout(config.degree, config.virtual_stages, config.schedule in V_SCHEDULES, ranges)
     tied = find_tied_weights(module)
     stage_of = stage_finder(module, stack, layout)
