@@ -42,7 +42,7 @@ class StageBoundary(Exception):
 
     def __init__(self, activation: Tensor) -> None:
         super().__init__("pipeline stage boundary")
-        self.activation = activation.contiguous()  # sent point to point: a view (Inkling's blocks return one) cannot be
+        self.activation = activation.contiguous()  # sent point to point, which takes no views (Inkling's blocks)
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:

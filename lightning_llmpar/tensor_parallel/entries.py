@@ -111,10 +111,10 @@ def has_params(module: nn.Module, recurse: bool = False) -> bool:
 
 def own_parameter_message(module: nn.Module, full: str, name: str, by: str) -> str:
     """Why a region holding a parameter of its own (beside its projections) cannot be split."""
+    not_per_head = ", and it is not one value per query or key/value head"
     return (
         f"{type(module).__name__} '{full}' holds parameter '{name}' itself, beside the projections that tensor"
-        f" parallelism splits by {by}{', and it is not one value per query or key/value head' if by == 'heads' else ''}, so no split"
-        " of its own can be inferred."
+        f" parallelism splits by {by}{not_per_head if by == 'heads' else ''}, so no split of its own can be inferred."
         " Train this model with pipeline_parallel and/or data parallelism (zero_stage 0-3), or give the module a style"
         " in tp_plan."
     )

@@ -160,7 +160,8 @@ def _codegen(attn: nn.Module, tp: int) -> FusedLayout:
 
 def _per_head(attn: nn.Module, tp: int) -> FusedLayout:
     # GPT-NeoX, GPT-NeoX-Japanese, Bloom, Persimmon: rows [q_h; k_h; v_h] per head.
-    heads = getattr(attn, "num_heads", None) or getattr(attn, "num_attention_heads", None) or attn.config.num_attention_heads
+    heads = getattr(attn, "num_heads", None) or getattr(attn, "num_attention_heads", None)
+    heads = heads or attn.config.num_attention_heads
     return FusedLayout(None, heads, heads)
 
 

@@ -43,7 +43,7 @@ REFUSED = [
     ("looped", PP2, ["calls block 1", "2 times", "pipeline_parallel=1"]),  # a recurrent-depth forward
     # ... which several stages per rank (the default interleaved schedule) cannot share.
     ("reads_embedding", PP2, ["'emb'", "run on every pipeline rank", "pipeline_schedule='1F1B'"]),
-    ("reads_gated_embedding", PP2, ["run on every pipeline rank", "pipeline_schedule='1F1B'"]),  # seen in gradients only
+    ("reads_gated_embedding", PP2, ["run on every pipeline rank", "pipeline_schedule='1F1B'"]),  # gradients show it
     ("zipped", {**PP2, "block_stack": "nope"}, ["block_stack='nope'", "names no module"]),
     ("zipped", {**PP2, "block_stack": "head"}, ["block_stack='head'", "nn.ModuleList"]),
 ]
@@ -64,7 +64,8 @@ def litgpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
 
 @pytest.fixture(scope="module")
 def runs(litgpt_dir: Path | None) -> tuple[dict, dict]:
-    refs = [(m, None, BATCH) for m in ("containers", "zipped", "passes_state", "reads_embedding", "reads_gated_embedding")]
+    names = ("containers", "zipped", "passes_state", "reads_embedding", "reads_gated_embedding")
+    refs = [(m, None, BATCH) for m in names]
     cases = [(m, kw, _per_rank(kw)) for m, kw in EXACT] + [(m, kw, _per_rank(kw)) for m, kw, _ in REFUSED]
     if litgpt_dir is not None:
         # A LitGPT checkpoint (fused qkv, q/k norms) read per rank into a model built on the meta device.

@@ -220,7 +220,8 @@ def test_parameters_an_mlp_applies_to_its_split_features() -> None:
     assert type(infer_tp_plan(model, 2).styles["layers.0.attn#own"]).__name__ == "OwnPerHead"
     for layer in model.layers:
         layer.attn.sinks = nn.Parameter(torch.zeros(3))
-    with pytest.raises(ValueError, match=r"'layers.0.attn' holds parameter 'sinks' itself.*not one value per query or key/value head.*pipeline_parallel"):
+    words = r"'layers.0.attn' holds parameter 'sinks' itself.*not one value per query or key/value head.*pipeline_parallel"
+    with pytest.raises(ValueError, match=words):
         infer_tp_plan(model, 2)
 
 
