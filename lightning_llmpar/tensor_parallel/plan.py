@@ -292,7 +292,11 @@ class _Planner(MoEPlanning, AttentionPlanning):
             if not _has_params(sub):
                 continue
             region = region_of(full)
-            if region is not None and region not in self._attention | self._moe_layers and full not in self.claimed:
+            # An embedding inside an MLP (Doge's CDMoE looks up expert vectors) reads whole indices, not this rank's
+            # features: refused below.
+            lookup = isinstance(sub, nn.Embedding) or self.roles.get(full) == "embedding"
+            if region is not None and region not in self._attention | self._moe_layers and full not in self.claimed \
+                    and not lookup:
                 # Between an MLP's column and row splits (an activation with parameters, xIELU): applied to this
                 # rank's features, the last dim; DTensor computes it and sums the whole parameters' gradient.
                 self.styles[full] = ReplicatedOnShards(1, self._widths[region])

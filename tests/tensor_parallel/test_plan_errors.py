@@ -499,3 +499,11 @@ def test_experts_called_by_the_block_gather_their_own_tokens_under_sequence_para
     keys = [k for k in plan.styles if k.startswith("model.layers.0.router") or k.startswith("model.layers.0.experts")]
     assert keys == ["model.layers.0.router#in", "model.layers.0.experts#in", "model.layers.0.experts", "model.layers.0.experts#out"]
     assert type(plan.styles["model.layers.0.pre_feedforward_layernorm_2"]).__name__ == "ReplicatedOnShards"
+
+
+def test_embedding_lookups_inside_an_mlp_are_refused() -> None:
+    # Doge's CDMoE MLP looks up expert vectors (down_embed, up_embed) beside its gate/up/down projections: each rank
+    # would sum a whole gradient as if it were its part. It crashed in the router's top-k at the first step.
+    model = _zoo_model("doge", is_moe=True, num_experts=16, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.(down|up)_embed' holds parameters inside the tensor"):
+        infer_tp_plan(model, 2)
