@@ -11,7 +11,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_llmpar.modeling.structure import MARK, find_block_stack, has_forward
+from lightning_llmpar.modeling.structure import BlockStack, find_block_stack, has_forward, mark_block_stack
 from lightning_llmpar.modeling.ties import TiedCopies, find_tied_weights
 from lightning_llmpar.pipeline.check import check_split, checkable, run_whole
 from lightning_llmpar.pipeline.runner import PipelineRunner
@@ -115,8 +115,26 @@ def build_pipeline(
         costs, first, last = stage_costs(module, stack)
         ranges = plan_stages(costs, num_stages, first_extra=first, last_extra=last, split_points=config.split_points)
         replicate = check_split(module, reference, ranges, check) if reference is not None else False
-    replicate = _agreed(replicate, device, pp_mesh.get_group())
-    before = outside_owners(module, stack)[0] if replicate else []
+    before = _run_everywhere(module, stack, config) if _agreed(replicate, device, pp_mesh.get_group()) else []
+    # What runs after the split (tensor parallelism, checkpointing) takes this stack too: on a rank's part of the
+    # model another list may hold more (Zamba2's per-layer adapter lists), and would be taken for the blocks.
+    mark_block_stack(module, stack.prefix)
+    layout = StageLayout(config.degree, config.virtual_stages, config.schedule in V_SCHEDULES, ranges)
+    tied = find_tied_weights(module)
+    stage_of = stage_finder(module, stack, layout)
+    # Named on the whole model, alike on every rank (the split leaves each rank a different part of it).
+    replicas = [n for n, _ in module.named_parameters() if any(n.startswith(b + ".") for b in before)]
+    parts, swaps = split_model(module, stack, layout, pp_mesh.get_local_rank(), tied, param_dtype, bool(before))
+    ties = TiedCopies.build(module, tied, stage_of, layout.rank_of, mesh, replicas)
+    return PipelineRunner(
+        module, stack.blocks, layout, parts, swaps, pp_mesh, device, config.schedule, config.microbatches, ties, tokens
+    )
+
+
+def _run_everywhere(module: LightningModule, stack: BlockStack, config: PipelineConfig) -> list[str]:
+    """The modules before the stack, which the split check found the blocks reading: they run on every rank. Refuse
+    what cannot take that, before anything is split."""
+    before = outside_owners(module, stack)[0]
     around = [b for b in before if stack.prefix.startswith(b + ".")]
     if around:
         raise ValueError(
@@ -133,19 +151,7 @@ def build_pipeline(
             " which cannot share them: set pipeline_schedule='1F1B' (or 'GPipe'), or train without pipeline"
             " parallelism (pipeline_parallel=1)."
         )
-    # What runs after the split (tensor parallelism, checkpointing) takes this stack too: on a rank's part of the
-    # model another list may hold more (Zamba2's per-layer adapter lists), and would be taken for the blocks.
-    setattr(stack.blocks, MARK, True)
-    layout = StageLayout(config.degree, config.virtual_stages, config.schedule in V_SCHEDULES, ranges)
-    tied = find_tied_weights(module)
-    stage_of = stage_finder(module, stack, layout)
-    # Named on the whole model, alike on every rank (the split leaves each rank a different part of it).
-    replicas = [n for n, _ in module.named_parameters() if any(n.startswith(b + ".") for b in before)]
-    parts, swaps = split_model(module, stack, layout, pp_mesh.get_local_rank(), tied, param_dtype, replicate)
-    ties = TiedCopies.build(module, tied, stage_of, layout.rank_of, mesh, replicas)
-    return PipelineRunner(
-        module, stack.blocks, layout, parts, swaps, pp_mesh, device, config.schedule, config.microbatches, ties, tokens
-    )
+    return before
 
 
 def _agreed(flag: bool, device: torch.device, group: Any) -> bool:
