@@ -131,11 +131,13 @@ def test_plan_ranks_fitting_layouts_by_step_time_and_refuses_bad_input(tmp_path:
     assert all(r.candidate.world_size == 8 and r.candidate.global_batch == 32 for r in result.layouts)
     assert {r.candidate.pp for r in result.layouts} >= {1, 2, 4, 8}
     assert {r.candidate.zero for r in result.layouts} == {0, 2, 3}
+    assert {r.candidate.tp for r in result.layouts} >= {1, 2, 4}  # tp4 shares the two key/value heads
     with pytest.raises(ValueError, match="precision='fp16'"):
         plan(GPT, global_batch=8, seq=128, precision="fp16")
     with pytest.raises(ValueError, match="global batch 3"):
-        # One block and one key/value head: neither a pipeline nor tensor parallelism, and dp2 does not divide 3.
-        plan({**GPT, "n_layer": 1, "n_kv_head": 1}, cluster_from("h100", gpus_per_node=2), global_batch=3, seq=128)
+        # One block and three heads: neither a pipeline nor tensor parallelism, and dp2 does not divide 3.
+        plan({**GPT, "n_layer": 1, "n_head": 3, "n_kv_head": 1, "n_embd": 96}, cluster_from("h100", gpus_per_node=2),
+             global_batch=3, seq=128)
     with pytest.raises(ValueError, match="no-such-dir"):
         plan("no-such-dir", global_batch=8, seq=128)
     with pytest.raises(ValueError, match="gpus_per_node"):

@@ -45,11 +45,15 @@ TP_ONLY = ["gemma4_ple", "gemma3n"]
 # Blocks tied to one shared attention block (Zamba2): ZeRO-3 shards it as a unit of its own. Tensor parallelism does
 # not split its Mamba layers; its blocks read the embeddings (pipeline parallelism: the test named above).
 DP_ONLY = ["zamba2"]
+# Fewer key/value heads than ranks, each shared by several (multi-query attention: Gemma-2B's layout, Qwen3's per-head
+# k norm, OLMo-2's k norm over its one head, StarCoder's and Falcon-7B's fused [all q; k; v], Falcon's grouped rows
+# with one group, RecurrentGemma); grouped-query attention at tp4 above its two key/value heads (Qwen2).
+KV_SHARED = ["gemma_mqa", "qwen3_mqa", "olmo2_mqa", "gpt_bigcode_mqa", "falcon_mqa", "falcon_kv1", "recurrent_gemma"]
 LITGPT_MODELS = ["litgpt_llama", "litgpt_pythia", "litgpt_gemma2", "litgpt_phi2", "litgpt_qwen3", "litgpt_mixtral",
                  "litgpt_falcon", "litgpt_gemma3", "litgpt_olmo2"]
 HAS_LITGPT = importlib.util.find_spec("litgpt") is not None
-ALL = MODELS + MORE_MODELS + TP_ONLY + LITGPT_MODELS  # the layouts not in ONLY
-RUN = MODELS + MORE_MODELS + TP_ONLY + DP_ONLY + (LITGPT_MODELS if HAS_LITGPT else [])
+ALL = MODELS + MORE_MODELS + TP_ONLY + KV_SHARED + LITGPT_MODELS  # the layouts not in ONLY
+RUN = MODELS + MORE_MODELS + TP_ONLY + DP_ONLY + KV_SHARED + ["qwen2_gqa"] + (LITGPT_MODELS if HAS_LITGPT else [])
 GLOBAL_BATCH = 8
 TWO_RANKS = {
     "tp2": {"tensor_parallel": 2},
@@ -58,9 +62,11 @@ TWO_RANKS = {
     "dp2-zero1": {"zero_stage": 1},
 }
 # ZeRO-1 is the same for every model family (no structure involved): LitGPT's cover it.
-ONLY = {"dp2-zero1": LITGPT_MODELS, "dp2-zero3": MODELS + LITGPT_MODELS + DP_ONLY, "tp2-pp2": MODELS + LITGPT_MODELS,
-        "pp2": MODELS + MORE_MODELS + LITGPT_MODELS}
-FOUR_RANKS = {"tp2-pp2": {"tensor_parallel": 2, "pipeline_parallel": 2}}
+ONLY = {"dp2-zero1": LITGPT_MODELS, "dp2-zero3": MODELS + LITGPT_MODELS + DP_ONLY,
+        "tp2-pp2": MODELS + LITGPT_MODELS + ["falcon_mqa"], "pp2": MODELS + MORE_MODELS + LITGPT_MODELS,
+        "tp4": ["qwen2_gqa", "gemma_mqa"], "dp2-tp2-zero3": ["gemma_mqa", "gpt_bigcode_mqa"]}
+FOUR_RANKS = {"tp2-pp2": {"tensor_parallel": 2, "pipeline_parallel": 2}, "tp4": {"tensor_parallel": 4},
+              "dp2-tp2-zero3": {"tensor_parallel": 2, "zero_stage": 3}}
 
 
 def _batch(kwargs: dict[str, Any], world: int) -> int:

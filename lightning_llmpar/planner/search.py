@@ -66,7 +66,8 @@ def candidates(
     if context_parallel is None:
         context_parallel = [1, 2, 4, 8] if seq >= 8192 else [1]
     for tp in _divisors(world, min(cluster.gpus_per_node, 8)):
-        if spec.n_head % tp or spec.n_kv_head % tp or spec.ffn_hidden % tp:
+        # Key/value heads fewer than the ranks are shared by them (a degree they divide); any other count is refused.
+        if spec.n_head % tp or (spec.n_kv_head % tp and tp % spec.n_kv_head) or spec.ffn_hidden % tp:
             continue
         for cp in context_parallel:
             if (cp > 1 and seq % (2 * cp)) or world % (tp * cp):

@@ -64,7 +64,7 @@ def _layer_forward(
     """One layer's forward on one microbatch: (all of it, its attention kernel alone)."""
     h, tp = spec.hidden, c.tp
     head_dim = h / spec.n_head
-    q, kv = h / tp, spec.n_kv_head * head_dim / tp
+    q, kv = h / tp, max(spec.n_kv_head / tp, 1) * head_dim  # fewer key/value heads than ranks: one on each
     t = _gemm(tokens, h, q, cl, p) + 2 * _gemm(tokens, h, kv, cl, p) + _gemm(tokens, q, h, cl, p)
     f = spec.ffn_hidden / tp
     if spec.n_expert:  # each local expert multiplies its share of the routed tokens
@@ -97,7 +97,7 @@ def predict_step_time(spec: ModelSpec, c: Candidate, seq: int, cl: Cluster, p: P
         tp_mb = layers * passes * _ring(act, c.tp, tp_bw, cl)
     else:
         tp_mb = layers * passes / 2 * _ring(act, c.tp, tp_bw, cl, factor=2)
-    kv_bytes = tokens * 2 * spec.n_kv_head * spec.hidden / spec.n_head / c.tp * p.act_bytes
+    kv_bytes = tokens * 2 * max(spec.n_kv_head / c.tp, 1) * spec.hidden / spec.n_head * p.act_bytes
     cp_ring = 3 * (c.cp - 1) * kv_bytes / (cl.link_gbps(cp_span) * 1e9) if c.cp > 1 else 0.0
     cp_mb = layers * max(0.0, cp_ring - 3.5 * attention)
     ep_mb = 0.0

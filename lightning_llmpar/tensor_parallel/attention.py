@@ -14,8 +14,10 @@ from lightning_llmpar.tensor_parallel.entries import has_params as _has_params
 from lightning_llmpar.tensor_parallel.entries import is_norm as _is_norm
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.entries import own_parameter_message as _own_message
+from lightning_llmpar.tensor_parallel.lora import is_lora
 from lightning_llmpar.tensor_parallel.packing import Packing
 from lightning_llmpar.tensor_parallel.param_styles import OwnPerHead, OwnShared, ReplicatedOnShards, ShardedNorm
+from lightning_llmpar.tensor_parallel.shared_heads import SharedKVHeads, shared_kv_heads
 from lightning_llmpar.tensor_parallel.styles import HeadSlice, is_conv1d
 
 __all__ = ["AttentionPlanning"]
@@ -31,6 +33,7 @@ class AttentionPlanning:
     claimed: set[str]
     roles: dict[str, str]
     result: TPPlan
+    _shared_kv: dict[str, int]  # attention region -> its key/value heads, where fewer than the ranks
 
     def _column_packing(self, region: nn.Module, leaf: str, child: nn.Module, role: str, layout: Any) -> Packing | None:
         """How a column-split projection of a region is cut: per fused piece, per half, or plainly (None)."""
@@ -72,12 +75,18 @@ class AttentionPlanning:
                 counts.setdefault("key/value heads", fam.out_features(attn.get_submodule(k)) // head_dim)
         if type(attn).__name__ in fam.PAIRED_HALVES:  # each half is split, so each rank holds whole pairs
             counts.update({f"{what} per half": value // 2 for what, value in list(counts.items()) if "heads" in what})
+        kv = next((v for what, v in counts.items() if what in fam.KV_COUNT_ATTRS or what == "key/value heads"), None)
+        shared = kv is not None and shared_kv_heads(kv, self.tp)
         for what, value in counts.items():
-            if value % self.tp:
+            if value % self.tp and not (shared and value == kv and (what in fam.KV_COUNT_ATTRS or "key/value" in what)):
                 raise ValueError(
                     f"Attention module '{full}': {what} = {value} is not divisible by tensor_parallel({self.tp})."
-                    f" Use a tensor_parallel degree that divides every head count ({counts})."
+                    f" Use a tensor_parallel degree that divides every head count ({counts}), or, for key/value"
+                    " heads, a multiple of them (each then shared by several ranks)."
                 )
+        if shared:
+            self._shared_kv[full] = kv
+            self._refuse_shared(full, attn, kv, head_dim)
         own = {n: p for n, p in attn.named_parameters(recurse=False)}
         returned = tuple(n for n in fam.RETURNED_BIAS.get(type(attn).__name__, ()) if n in own)
         if returned and full not in self.claimed:
@@ -102,13 +111,61 @@ class AttentionPlanning:
         self._plan_qk_norms(full, attn, head_dim)
         return layout
 
+    def _kv_style(self, region: str, leaf: str, child: nn.Module, role: str, packing: Packing | None) -> Any:
+        """The style of a column split whose key/value heads are shared by several ranks, or None."""
+        kv = self._shared_kv.get(region)
+        if kv is None or (role != "qkv" and leaf.lower() not in fam.K | fam.V):
+            return None
+        name = _join(region, leaf)
+        if is_lora(child):
+            raise ValueError(
+                f"LoRA layer '{name}' projects onto {kv} key/value head(s), fewer than tensor_parallel({self.tp}), so"
+                " each is gathered whole on several ranks, which a LoRA adapter's split does not follow. Leave the"
+                f" key/value projections out of target_modules, or {_fewer(kv)}."
+            )
+        if role == "qkv" and packing is None:
+            raise ValueError(
+                f"Module '{name}' fuses q, k and v grouped per head or per key/value group, and its {kv} key/value"
+                f" head(s) are fewer than tensor_parallel({self.tp}), so a rank's rows would not hold whole groups:"
+                f" {_fewer(kv)}."
+            )
+        if role == "qkv":
+            return SharedKVHeads(kv, packing, (False, True, True))
+        return SharedKVHeads(kv)
+
+    def _refuse_shared(self, full: str, attn: nn.Module, kv: int, head_dim: Any) -> None:
+        """What cannot follow key/value heads shared by several ranks."""
+        why = None
+        if type(attn).__name__ in fam.PAIRED_HALVES | set(fam.HEADS_TO_HEADS):
+            why = f"{type(attn).__name__} pairs or mixes its key/value heads"
+        own = [n for n, p in attn.named_parameters(recurse=False) if p.dim() and p.shape[0] == kv]
+        if own:
+            why = f"its parameter '{own[0]}' holds one value per key/value head"
+        norms = [n for n, c in attn.named_children() if _is_norm(c) and _has_params(c)
+                 and isinstance(head_dim, int) and next(c.parameters()).shape[0] == kv * head_dim != head_dim]
+        if norms:
+            why = f"its norm '{norms[0]}' spans all key/value heads' features"
+        if why is not None:
+            raise ValueError(
+                f"Attention module '{full}' has {kv} key/value head(s), fewer than tensor_parallel({self.tp}), so each"
+                f" is shared by several ranks; but {why}, which cannot be shared so: {_fewer(kv)}."
+            )
+
     def _local_counts(self, full: str, attn: nn.Module, cols: list[str], layout: Any) -> None:
         q_width = sum(fam.out_features(attn.get_submodule(n)) for n in cols if n.lower() in fam.Q)
         if layout is not None and layout.packing is not None:
             q_width = layout.packing.sizes[0]
         elif layout is not None and isinstance(getattr(attn, "head_dim", None), int):
             q_width = layout.heads * attn.head_dim
-        patch = {a: v // self.tp for a in fam.HEAD_COUNT_ATTRS if isinstance(v := getattr(attn, a, None), int) and not isinstance(v, bool)}
+        shared = full in self._shared_kv
+
+        def local(attr: str, value: int) -> int:  # one key/value head per rank where the ranks share them
+            return 1 if shared and attr in fam.KV_COUNT_ATTRS else value // self.tp
+
+        patch = {a: local(a, v) for a in fam.HEAD_COUNT_ATTRS if isinstance(v := getattr(attn, a, None), int) and not isinstance(v, bool)}
+        groups = getattr(attn, "num_key_value_groups", None)
+        if shared and isinstance(groups, int) and q_width and isinstance(getattr(attn, "head_dim", None), int):
+            patch["num_key_value_groups"] = q_width // attn.head_dim // self.tp  # this rank's query heads, one kv head
         for attr in fam.WIDTH_ATTRS:
             value = getattr(attn, attr, None)
             if isinstance(value, int) and q_width and value == q_width:
@@ -120,7 +177,7 @@ class AttentionPlanning:
             # own copy with this rank's counts.
             for attr in fam.HEAD_COUNT_ATTRS:
                 if (value := count_attr(config, attr)) is not None:
-                    patch[f"config.{attr}"] = value // self.tp
+                    patch[f"config.{attr}"] = local(attr, value)
         if patch:
             self.result.local_counts[full] = patch
 
@@ -134,3 +191,10 @@ class AttentionPlanning:
                 self.styles[name] = ReplicatedOnShards(2)  # per head: this rank's heads, gradient summed
             else:
                 self.styles[name] = ShardedNorm()  # over all heads' features: split with them
+
+
+def _fewer(kv: int) -> str:
+    """The fix where key/value heads cannot be shared between ranks."""
+    if kv == 1:
+        return "train this model without tensor parallelism (tensor_parallel=1)"
+    return f"use a tensor_parallel degree that divides its {kv} key/value heads"

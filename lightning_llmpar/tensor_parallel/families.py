@@ -16,7 +16,7 @@ from torch import nn
 from lightning_llmpar.tensor_parallel.packing import Packing
 
 __all__ = [
-    "Q", "K", "V", "OUT", "UP", "DOWN", "FUSED_QKV", "FUSED_UP", "HEAD_COUNT_ATTRS", "WIDTH_ATTRS",
+    "Q", "K", "V", "OUT", "UP", "DOWN", "FUSED_QKV", "FUSED_UP", "HEAD_COUNT_ATTRS", "KV_COUNT_ATTRS", "WIDTH_ATTRS",
     "INTERLEAVED_EXPERTS", "PAIRED_HALVES", "HEADS_TO_HEADS", "RETURNED_BIAS",
     "FusedLayout", "fused_qkv_layout", "head_slices", "name_roles", "out_features",
 ]
@@ -50,6 +50,8 @@ HEAD_COUNT_ATTRS = (
     "num_heads", "n_heads", "n_head", "num_attention_heads", "n_local_heads",
     "num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "n_local_kv_heads", "n_query_groups",
 )
+# Those of them that count key/value heads (fewer than the ranks: each rank holds one, see shared_heads.py).
+KV_COUNT_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "n_local_kv_heads", "n_query_groups")
 # Width attributes (heads x head_dim) some attention modules reshape or split with.
 WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size", "inner_dim", "n_embd", "split_size")
 
@@ -136,7 +138,7 @@ def _dbrx(attn: nn.Module, tp: int) -> FusedLayout:
 
 
 def _gpt_bigcode(attn: nn.Module, tp: int) -> FusedLayout:
-    if attn.multi_query:  # rows [all q; k; v] with one key/value head (refused by the head count check)
+    if attn.multi_query:  # rows [all q; k; v] with one key/value head, shared by the ranks
         return _concat(attn, tp, 0, attn.num_heads, 1, attn.head_dim)
     return FusedLayout(None, attn.num_heads, attn.num_heads)  # per head [q_h; k_h; v_h]
 
@@ -166,15 +168,11 @@ def _per_head(attn: nn.Module, tp: int) -> FusedLayout:
 
 
 def _falcon(attn: nn.Module, tp: int) -> FusedLayout:
-    if attn.new_decoder_architecture:  # rows [q heads of the group; k; v] per key/value group
+    if attn.new_decoder_architecture and attn.num_kv_heads > 1:  # rows [q heads of the group; k; v] per group
         return FusedLayout(None, attn.num_heads, attn.num_kv_heads)
     if not attn.multi_query:  # per head [q_h; k_h; v_h]
         return FusedLayout(None, attn.num_heads, attn.num_heads)
-    raise ValueError(
-        f"Falcon multi-query attention has one key/value head shared by all {attn.num_heads} query heads; it"
-        f" cannot be split over tensor_parallel({tp}). Use a config with new_decoder_architecture=True and"
-        " num_kv_heads divisible by tensor_parallel, or train it without tensor parallelism."
-    )
+    return _concat(attn, tp, 0, attn.num_heads, 1, attn.head_dim)  # one key/value head (one group): [all q; k; v]
 
 
 def _causal_self_attention(attn: nn.Module, tp: int) -> FusedLayout | None:

@@ -77,6 +77,7 @@ class _Planner(MoEPlanning, AttentionPlanning):
         self._moe_layers: set[str] = set()  # every MoE layer: it works on whole (replicated) tokens
         self._attention: set[str] = set()  # attention regions (the others are MLPs)
         self._widths: dict[str, frozenset[int]] = {}  # MLP region -> this rank's widths of its split features
+        self._shared_kv: dict[str, int] = {}  # attention region -> key/value heads, where fewer than the ranks
         self.roles = shipped_roles(model)
         for name, module in model.named_modules():
             for pattern, spec in user_plan.items():
@@ -248,7 +249,8 @@ class _Planner(MoEPlanning, AttentionPlanning):
             name = _join(full, n)
             packing = self._column_packing(module, n, children[n], roles[n], heads)
             self._divisible(name, children[n], packing)
-            self._add(name, SplitLinear("col", input=col_in, packing=packing), covered)
+            shared = self._kv_style(full, n, children[n], roles[n], packing) if attention else None
+            self._add(name, shared or SplitLinear("col", input=col_in, packing=packing), covered)
             if packing is not None:
                 self._record_packing(name, children[n], packing)
         for n in sorted(rows):

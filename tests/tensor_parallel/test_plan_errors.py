@@ -66,8 +66,10 @@ def _gpt(**overrides: int) -> GPT:
 
 
 def test_heads_not_divisible_by_tp() -> None:
-    with pytest.raises(ValueError, match=r"Attention module 'layers.0.attn': n_kv_head = 2 is not divisible by tensor_parallel\(4\)"):
-        infer_tp_plan(_gpt(), 4)
+    # Key/value heads fewer than the ranks are shared when the degree is a multiple of them (2 at tp4), not otherwise.
+    with pytest.raises(ValueError, match=r"Attention module 'layers.0.attn': n_kv_head = 3 is not divisible by tensor_parallel\(2\)"):
+        infer_tp_plan(_gpt(n_head=6, n_kv_head=3, n_embd=48), 2)
+    assert type(infer_tp_plan(_gpt(), 4).styles["layers.0.attn.k_proj"]).__name__ == "SharedKVHeads"
     with pytest.raises(ValueError, match=r"n_head = 4 is not divisible by tensor_parallel\(3\)"):
         infer_tp_plan(_gpt(vocab_size=66), 3)
 
@@ -429,10 +431,45 @@ def _zoo_model(name: str, **overrides: object) -> nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def test_multi_query_attention_is_refused_by_its_one_key_value_head() -> None:
-    # StarCoder's GPTBigCode with multi_query=True: one key/value head cannot be split, as Megatron refuses it.
-    model = _zoo_model("gpt_bigcode", multi_query=True)
-    with pytest.raises(ValueError, match=r"'transformer.h.0.attn': key/value heads = 1 is not divisible by tensor_parallel\(2\)"):
+def test_key_value_heads_fewer_than_the_ranks_are_shared() -> None:
+    # Multi-query attention (Gemma-2B's one key/value head; StarCoder's fused [all q; k; v]) at tp2: q is split by
+    # heads, k and v are stored split and gathered whole in the forward, where each rank keeps the head its queries
+    # read; its code reshapes with one key/value head and this rank's query heads per key/value head.
+    plan = infer_tp_plan(_zoo_model("gemma_mqa"), 2)
+    attn = "model.layers.0.self_attn"
+    assert [type(plan.styles[f"{attn}.{n}"]).__name__ for n in ("q_proj", "k_proj", "v_proj")] == [
+        "SplitLinear", "SharedKVHeads", "SharedKVHeads"]
+    assert plan.local_counts[attn] == {"num_key_value_groups": 2, "config.num_attention_heads": 2,
+                                       "config.num_key_value_heads": 1}
+    fused = infer_tp_plan(_zoo_model("gpt_bigcode", multi_query=True), 2).styles["transformer.h.0.attn.c_attn"]
+    assert fused.packing.sizes == (32, 8, 8) and fused.shared == (False, True, True)
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "tp", "match"),
+    [
+        ("qwen2", {"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 4}, 2,
+         r"key/value heads = 3 is not divisible by tensor_parallel\(2\).*or, for key/value heads, a multiple of them"),
+        ("olmo2", {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 4}, 4,
+         (r"2 key/value head\(s\), fewer than tensor_parallel\(4\).*its norm 'k_norm' spans all key/value heads'"
+          r" features.*use a tensor_parallel degree that divides its 2 key/value heads")),
+        ("falcon", {"num_attention_heads": 8, "num_kv_heads": 2}, 4,
+         (r"'transformer.h.0.self_attention.query_key_value' fuses q, k and v grouped per head or per key/value group,"
+          r" and its 2 key/value head\(s\) are fewer than tensor_parallel\(4\)")),
+    ],
+)
+def test_key_value_heads_that_cannot_be_shared_are_refused(name: str, overrides: dict, tp: int, match: str) -> None:
+    # A count the degree neither divides nor is a multiple of; a norm over all key/value heads' features (OLMo-2's
+    # k_norm with two heads: over one head it is exact); rows grouped per key/value group (Falcon's new layout).
+    with pytest.raises(ValueError, match=match):
+        infer_tp_plan(_zoo_model(name, **overrides), tp)
+
+
+def test_lora_on_shared_key_value_heads_is_refused() -> None:
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_zoo_model("gemma_mqa"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match=r"LoRA layer '.*layers.0.self_attn.v_proj' projects onto 1 key/value head.*"
+                                         r"without tensor parallelism"):
         infer_tp_plan(model, 2)
 
 
