@@ -41,7 +41,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("Gemma2Config", {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 8}),
     "phi3": ("Phi3Config", {"num_key_value_heads": 4, "pad_token_id": 0}),
     "phi3_gqa": ("Phi3Config", {"pad_token_id": 0}),
-    "gpt2": ("GPT2Config", {"n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 32, "n_inner": 64}),
+    # An odd vocabulary, as GPT-2's 50257 is: split unevenly over the ranks (the data uses the first 64 tokens).
+    "gpt2": ("GPT2Config", {"n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 32, "n_inner": 64, "vocab_size": 65}),
     "gpt_neox": ("GPTNeoXConfig", {}),
     "opt": ("OPTConfig", {"ffn_dim": 64, "word_embed_proj_dim": 32, "pad_token_id": 1}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),

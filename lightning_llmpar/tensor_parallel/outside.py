@@ -32,14 +32,9 @@ def plan_outside(model: nn.Module, tp: int, styles: dict[str, Any], claimed: set
     for name, module in modules:
         # An embedding class holding modules of its own (Inkling-2's) is kept whole: torch's style splits a plain one.
         if isinstance(module, nn.Embedding) and module.num_embeddings == vocab and not any(module.children()):
-            if module.num_embeddings % tp:
-                raise ValueError(
-                    f"Embedding '{name}' has {module.num_embeddings} rows, not divisible by tensor_parallel({tp})."
-                    f" Pad the vocabulary to a multiple of {tp}, or set tp_plan={{'{name}': 'replicate'}}."
-                )
             styles[name] = VocabEmbedding(input_layouts=Replicate(), output_layouts=Replicate())
     for name, module in heads:
-        if module.out_features == vocab and module.out_features % tp == 0:
+        if module.out_features == vocab:
             # The LM head: split the vocabulary and gather full logits so the user's loss is unchanged.
             styles[name] = SplitLinear("col", output=Replicate())
 
