@@ -33,12 +33,13 @@ MODELS = [
 # head counts (Gemma 4), an MLP in an nn.Sequential kept whole and an embedding scaled in place (CTRL); q/k/v fused in
 # groups by a constant of the forward (CodeGen), differential attention's paired heads and shared λ (DiffLlama), and a
 # dynamic mask computed from all key/value heads with a parameter per key/value head (Doge), and an attention that
-# returns a bias of its own for the block to add (GPT-NeoX-Japanese).
+# returns a bias of its own for the block to add (GPT-NeoX-Japanese); experts stored as 2-D weights stacking every
+# expert's FFN rows (DBRX).
 MORE_MODELS = ["qwen2_moe", "glm4_moe", "gemma3", "cohere", "phi", "smollm3", "persimmon", "nemotron", "apertus", "llama4",
                "deepseek_v3", "deepseek_v2", "gpt_oss", "mamba", "jamba", "bamba", "nemotron_h", "falcon_h1",
                "granitemoehybrid", "qwen3_next", "qwen3_5_moe", "olmo_hybrid", "lfm2", "minimax", "kimi_linear", "mpt",
                "openai_gpt", "gpt_bigcode", "afmoe", "lfm3", "gemma4", "ctrl", "codegen", "diffllama", "doge",
-               "gpt_neox_japanese"]
+               "gpt_neox_japanese", "dbrx"]
 # Per-layer inputs computed before the stack (Gemma 4's small models, Gemma 3n): exact at tp2; under pipeline
 # parallelism with one stage per rank, see test_blocks_reading_values_from_before_the_stack_under_pipeline_parallelism.
 TP_ONLY = ["gemma4_ple", "gemma3n"]

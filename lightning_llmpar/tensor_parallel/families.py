@@ -17,7 +17,7 @@ from lightning_llmpar.tensor_parallel.packing import Packing
 
 __all__ = [
     "Q", "K", "V", "OUT", "UP", "DOWN", "FUSED_QKV", "FUSED_UP", "HEAD_COUNT_ATTRS", "KV_COUNT_ATTRS", "WIDTH_ATTRS",
-    "INTERLEAVED_EXPERTS", "PAIRED_HALVES", "HEADS_TO_HEADS", "RETURNED_BIAS",
+    "INTERLEAVED_EXPERTS", "STACKED_EXPERTS", "PAIRED_HALVES", "HEADS_TO_HEADS", "RETURNED_BIAS",
     "FusedLayout", "fused_qkv_layout", "head_slices", "name_roles", "out_features",
 ]
 
@@ -34,6 +34,10 @@ FUSED_UP = {"gate_up_proj", "w13", "fc1_gate", "input_linear"}
 # Fused experts whose gate_up columns alternate [g0, u0, g1, u1, ...], for transformers versions that do not mark
 # them (is_concatenated=False).
 INTERLEAVED_EXPERTS = {"GptOssExperts"}
+# Experts stored as 2-D weights, each expert's FFN rows stacked (experts x FFN, hidden), viewed per expert by the
+# forward with an FFN-width attribute (DBRX): class -> (the child holding them, the weights, the module's FFN-width
+# and expert-count attributes).
+STACKED_EXPERTS = {"DbrxExperts": ("mlp", ("w1", "v1", "w2"), "ffn_hidden_size", "num_experts")}
 # Differential attentions: head h is paired with head h + heads/2 (values: the two halves of the key/value heads),
 # so q, k and v split per half and each rank holds whole pairs.
 PAIRED_HALVES = {"DiffLlamaAttention"}

@@ -13,7 +13,7 @@ from lightning_llmpar.tensor_parallel.entries import linear_like as _linear_like
 from lightning_llmpar.tensor_parallel.packing import Packing
 from lightning_llmpar.tensor_parallel.styles import TOKEN, GatherFirstOutput, PrepareFirstInput, SplitExperts
 
-__all__ = ["MoEPlanning", "fused_experts"]
+__all__ = ["MoEPlanning", "fused_experts", "stacked_experts"]
 
 
 class MoEPlanning:
@@ -59,6 +59,8 @@ class MoEPlanning:
         if not flat:
             self._moe_layers.add(full)
         num_experts = {p.shape[0] for n in experts for p in moe.get_submodule(n).parameters(recurse=False)}
+        num_experts |= {getattr(m, fam.STACKED_EXPERTS[type(m).__name__][3]) for n in experts
+                        if stacked_experts(m := moe.get_submodule(n))}
         hidden = None
         for n, child in moe.named_children():
             params = [p for p in child.parameters() if p.dim() == 2]
@@ -73,38 +75,7 @@ class MoEPlanning:
         for n in experts:
             name = _join(full, n)
             module = moe.get_submodule(n)
-            weights = dict(module.named_parameters(recurse=False))
-            down = next((p for pname, p in weights.items() if ("down" in pname or pname == "w2") and p.dim() == 3), None)
-            # Some experts store (E, in, out) (Llama 4, GPT-OSS; transformers marks them is_transposed): the FFN
-            # width is then dim 1 of down_proj (E, I, H), dim 2 of gate_up_proj (E, H, 2I). Else told apart by
-            # the router's hidden size. Interleaved gate/up columns (is_concatenated=False) split as they are.
-            transposed = getattr(module, "is_transposed", down is not None and down.shape[2] == hidden != down.shape[1])
-            concatenated = getattr(module, "is_concatenated", type(module).__name__ not in fam.INTERLEAVED_EXPERTS)
-            params = {}
-            for pname, p in weights.items():
-                is_down = "down" in pname or pname == "w2"
-                if p.dim() == 2 and pname.endswith("bias"):  # (E, out): split with its weight's outputs
-                    params[pname] = (None, None) if is_down else (1, None)
-                    if not is_down and concatenated:
-                        params[pname] = (1, Packing(1, (p.shape[1] // 2,) * 2, self.tp))
-                        self.result.packings[_join(name, pname)] = params[pname][1]
-                    continue
-                if p.dim() != 3:
-                    raise ValueError(f"MoE experts '{name}': parameter '{pname}' is not a 3-D (experts, out, in) weight.")
-                if is_down:
-                    params[pname] = (1 if transposed else 2, None)
-                else:
-                    dim = 2 if transposed else 1
-                    gate_up = ("gate_up" in pname or pname == "w13") and concatenated
-                    packing = Packing(dim, (p.shape[dim] // 2,) * 2, self.tp) if gate_up else None
-                    params[pname] = (dim, packing)
-                    if packing is not None:
-                        self.result.packings[_join(name, pname)] = packing
-                if p.shape[params[pname][0]] % self.tp:
-                    raise ValueError(
-                        f"MoE experts '{name}.{pname}' has FFN width {p.shape[params[pname][0]]}, not divisible by"
-                        f" tensor_parallel({self.tp})."
-                    )
+            params = self._stacked_params(name, module) if stacked_experts(module) else self._fused_params(name, module, hidden)
             # Hooks run in the order the styles are applied: all tokens gathered before the experts' input sums its
             # gradient over ranks, and their output summed before it is scattered (else each rank would combine
             # its own chunk of another rank's partial sums).
@@ -120,9 +91,62 @@ class MoEPlanning:
             self._add(full + "#out", GatherFirstOutput(Replicate(), TOKEN), covered)
         covered.add(full)
 
+    def _fused_params(self, name: str, module: nn.Module, hidden: int | None) -> dict:
+        """3-D expert weights (and (E, out) biases): each one's split dim and packing."""
+        weights = dict(module.named_parameters(recurse=False))
+        down = next((p for pname, p in weights.items() if ("down" in pname or pname == "w2") and p.dim() == 3), None)
+        # Some experts store (E, in, out) (Llama 4, GPT-OSS; transformers marks them is_transposed): the FFN
+        # width is then dim 1 of down_proj (E, I, H), dim 2 of gate_up_proj (E, H, 2I). Else told apart by
+        # the router's hidden size. Interleaved gate/up columns (is_concatenated=False) split as they are.
+        transposed = getattr(module, "is_transposed", down is not None and down.shape[2] == hidden != down.shape[1])
+        concatenated = getattr(module, "is_concatenated", type(module).__name__ not in fam.INTERLEAVED_EXPERTS)
+        params = {}
+        for pname, p in weights.items():
+            is_down = "down" in pname or pname == "w2"
+            if p.dim() == 2 and pname.endswith("bias"):  # (E, out): split with its weight's outputs
+                params[pname] = (None, None) if is_down else (1, None)
+                if not is_down and concatenated:
+                    params[pname] = (1, Packing(1, (p.shape[1] // 2,) * 2, self.tp))
+                    self.result.packings[_join(name, pname)] = params[pname][1]
+                continue
+            if p.dim() != 3:
+                raise ValueError(f"MoE experts '{name}': parameter '{pname}' is not a 3-D (experts, out, in) weight.")
+            if is_down:
+                params[pname] = (1 if transposed else 2, None)
+            else:
+                dim = 2 if transposed else 1
+                gate_up = ("gate_up" in pname or pname == "w13") and concatenated
+                packing = Packing(dim, (p.shape[dim] // 2,) * 2, self.tp) if gate_up else None
+                params[pname] = (dim, packing)
+                if packing is not None:
+                    self.result.packings[_join(name, pname)] = packing
+            if p.shape[params[pname][0]] % self.tp:
+                raise ValueError(
+                    f"MoE experts '{name}.{pname}' has FFN width {p.shape[params[pname][0]]}, not divisible by"
+                    f" tensor_parallel({self.tp})."
+                )
+        return params
+
+    def _stacked_params(self, name: str, module: nn.Module) -> dict:
+        """2-D weights stacking every expert's FFN rows (DBRX): each rank holds its slice of every expert's rows, the
+        pieces of a packing, and the forward views them with this rank's FFN width."""
+        child, weights, width_attr, count_attr = fam.STACKED_EXPERTS[type(module).__name__]
+        width, count = getattr(module, width_attr), getattr(module, count_attr)
+        packing = Packing(0, (width,) * count, self.tp)  # refuses a width the degree does not divide
+        params = {}
+        for weight in weights:
+            params[f"{child}.{weight}"] = (0, packing)
+            self.result.packings[_join(name, f"{child}.{weight}")] = packing
+        self.result.local_counts[name] = {width_attr: width // self.tp}
+        return params
 
 def fused_experts(module: nn.Module, biases: bool = False) -> bool:
     """transformers-style fused experts: 3-D expert weights such as gate_up_proj (E, 2I, H), down_proj (E, H, I);
     with ``biases``, also (E, out) biases beside them (GPT-OSS)."""
     params = {n: p for n, p in module.named_parameters(recurse=False) if not (biases and p.dim() == 2 and n.endswith("bias"))}
     return len(params) >= 2 and all(p.dim() == 3 for p in params.values()) and any("down" in n or n == "w2" for n in params)
+
+
+def stacked_experts(module: nn.Module) -> bool:
+    """Experts stored as 2-D weights stacking each expert's FFN rows (families.STACKED_EXPERTS)."""
+    return type(module).__name__ in fam.STACKED_EXPERTS

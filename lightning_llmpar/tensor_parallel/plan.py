@@ -32,7 +32,7 @@ from lightning_llmpar.tensor_parallel.entries import own_parameter_message as _o
 from lightning_llmpar.tensor_parallel.lightning_attention import plan_lightning
 from lightning_llmpar.tensor_parallel.lora import is_lora, refuse_in_mixer
 from lightning_llmpar.tensor_parallel.mla import LATENT, plan_mla
-from lightning_llmpar.tensor_parallel.moe import MoEPlanning, fused_experts
+from lightning_llmpar.tensor_parallel.moe import MoEPlanning, fused_experts, stacked_experts
 from lightning_llmpar.tensor_parallel.outside import check_adapters, check_ties, plan_outside
 from lightning_llmpar.tensor_parallel.packing import Packing
 from lightning_llmpar.tensor_parallel.param_styles import ReplicatedOnShards
@@ -176,7 +176,7 @@ class _Planner(MoEPlanning, AttentionPlanning):
     def _plan_region(self, full: str, module: nn.Module, covered: set[str], is_block: bool) -> bool | None:
         """Plan ``module`` if its children form a region; returns whether the region is inline, else None."""
         children = dict(module.named_children())
-        if self._role(full, "", module, {}) == "experts" or fused_experts(module, biases=True):
+        if self._role(full, "", module, {}) == "experts" or fused_experts(module, biases=True) or stacked_experts(module):
             return None  # planned with its MoE parent
         if LATENT in children and full not in self.claimed:
             # Multi-head latent attention (DeepSeek): split by heads with its shared latents whole (mla.py); one
@@ -211,7 +211,8 @@ class _Planner(MoEPlanning, AttentionPlanning):
             self.result.local_counts.update(mixer.counts)
             covered.update(_join(full, n) for n, _ in module.named_modules())
             return False
-        experts = [n for n, c in children.items() if self.roles.get(_join(full, n)) == "experts" or fused_experts(c, biases=True)]
+        experts = [n for n, c in children.items()
+                   if self.roles.get(_join(full, n)) == "experts" or fused_experts(c, biases=True) or stacked_experts(c)]
         if experts:  # called by the block itself (Gemma 4): under sequence parallelism no module holds the MoE path
             # alone to gather tokens for, so the router and the experts gather their flat tokens themselves (inline)
             self._plan_moe(full, module, experts, covered, flat=self.seq and is_block)

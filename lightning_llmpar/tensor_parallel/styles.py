@@ -181,7 +181,9 @@ class SplitExperts(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, (dim, packing) in self.params.items():
             placement = Replicate() if dim is None else Shard(dim)
-            module.register_parameter(name, _distribute(getattr(module, name), device_mesh, placement, packing))
+            owner, _, leaf = name.rpartition(".")  # a child's, dotted (DBRX's experts hold theirs in .mlp)
+            holder = module.get_submodule(owner) if owner else module
+            holder.register_parameter(leaf, _distribute(getattr(holder, leaf), device_mesh, placement, packing))
         summed = {name for name, (dim, _) in self.params.items() if dim is None}
         tp = device_mesh.size()
 

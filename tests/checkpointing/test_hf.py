@@ -13,11 +13,11 @@ from tests.zoo import fit_cases, logits_of, save_pretrained
 
 pytest.importorskip("transformers")
 
-MODELS = ["llama_tied", "phi3_gqa", "mixtral", "gpt2", "gpt_oss", "bamba", "qwen3_5_moe", "kimi_linear", "mpt"]  # tied,
+MODELS = ["llama_tied", "phi3_gqa", "mixtral", "gpt2", "gpt_oss", "bamba", "qwen3_5_moe", "kimi_linear", "mpt", "dbrx"]  # tied,
 # fused q/k/v + gate/up, legacy MoE files, Conv1D, per-head sinks and experts with biases and interleaved gate/up
 # columns, Mamba-2 mixers (five pieces packed in in_proj, init code copying whole per-head values), gated delta-rule
 # mixers (packed q/k/v), files in another layout (Kimi Linear: q/k/v convolutions saved apart, renamed gate parts),
-# a fused [q; k; v] with ALiBi biases (MPT)
+# a fused [q; k; v] with ALiBi biases (MPT), experts stacked in 2-D weights (DBRX)
 LAYOUTS = {"tp2": ({"tensor_parallel": 2}, 2), "tp2-pp2": ({"tensor_parallel": 2, "pipeline_parallel": 2}, 4)}
 STEPS, BATCH = 3, 8
 

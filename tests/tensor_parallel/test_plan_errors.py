@@ -545,3 +545,15 @@ def test_embedding_lookups_inside_an_mlp_are_refused() -> None:
     model = _zoo_model("doge", is_moe=True, num_experts=16, num_experts_per_tok=2)
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.(down|up)_embed' holds parameters inside the tensor"):
         infer_tp_plan(model, 2)
+
+
+def test_experts_stacked_in_2d_weights_are_split_per_expert() -> None:
+    # DBRX stores each expert's FFN rows stacked in (experts x FFN, hidden) weights that its forward views per expert
+    # with ffn_hidden_size: each rank holds its slice of every expert's rows (a packing of one piece per expert) and
+    # views them with its own width.
+    plan = infer_tp_plan(_zoo_model("dbrx"), 2)
+    experts = "transformer.blocks.0.ffn.experts"
+    style = plan.styles[experts]
+    assert type(style).__name__ == "SplitExperts" and sorted(style.params) == ["mlp.v1", "mlp.w1", "mlp.w2"]
+    assert plan.packings[f"{experts}.mlp.w1"].sizes == (32,) * 4 and plan.local_counts[experts] == {"ffn_hidden_size": 16}
+    assert plan.sequence_parallel
