@@ -38,8 +38,8 @@ def shared_kv_heads(kv_heads: int, tp: int) -> bool:
 
 
 class SharedKVHeads(ParallelStyle):
-    """A column split of a key/value projection (``pieces``: None) or of a fused q/k/v projection (``pieces``: its
-    packing, ``shared``: which pieces are key/value heads) whose ``kv_heads`` are fewer than the ranks."""
+    """A column split of a key/value projection (``packing``: None) or of a fused q/k/v projection (``packing``: its
+    pieces, ``shared``: which of them are key/value heads) whose ``kv_heads`` are fewer than the ranks."""
 
     def __init__(self, kv_heads: int, packing: Packing | None = None, shared: tuple[bool, ...] = (True,)) -> None:
         super().__init__()
