@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["ParallelLayout", "ZERO_STAGES"]
+__all__ = ["ParallelLayout", "ZERO_STAGES", "reuse_groups"]
+
+T = TypeVar("T")
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -14,6 +19,21 @@ ZERO_STAGES = (0, 1, 2, 3)
 # neighbours on one node; pipeline is outermost because it only sends activations between stages. Context
 # parallel sits next to dp_shard so FSDP can shard over the two flattened together ("dp_shard_cp").
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+# Process groups made once per world and reused: a process that fits more than once (a sweep, a notebook, fit after
+# fit) would otherwise add new groups every time, and torch frees none of them (a root mesh keeps its groups alive).
+# On gloo every group holds threads of its own: hundreds of fits in one process slowed to a crawl.
+_GROUPS: dict[Hashable, tuple[Any, Any]] = {}
+
+
+def reuse_groups(key: Hashable, build: Callable[[], T]) -> T:
+    """``build()`` once per default process group and ``key``; every rank must ask for the same keys in order."""
+    world = dist.distributed_c10d._get_default_group()
+    cached = _GROUPS.get(key)
+    if cached is None or cached[0] is not world:
+        cached = _GROUPS[key] = (world, build())
+    return cached[1]
 
 
 @dataclass(frozen=True)
@@ -144,13 +164,21 @@ class ParallelLayout:
         """The one mesh every technique slices, and its data-parallel axes flattened into one ('dp'; the batch
         sampler's ranks). ``dp_shard`` and ``cp`` are flattened too ('dp_shard_cp'), the axis FSDP shards over."""
         shape = tuple(self.degrees[axis] for axis in MESH_AXES)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+        def build() -> tuple[DeviceMesh, DeviceMesh]:
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+        return reuse_groups(("mesh", device_type, shape), build)
 
     def expert_meshes(self, mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
         """``mesh`` with the data-parallel axis that holds the expert-parallel ranks split in two (outer: the rest,
         innermost: 'ep'), and the (replicate, shard) mesh expert weights are data-parallel over."""
+        groups = tuple(mesh.get_group(dim).group_name for dim in range(mesh.ndim))  # which mesh, by its groups
+        return reuse_groups(("experts", groups, bool(self.zero_stage), self.ep), lambda: self._expert_meshes(mesh))
+
+    def _expert_meshes(self, mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
         if self.zero_stage:
             experts = mesh._unflatten(MESH_AXES.index("dp_shard"), (self.dp_shard // self.ep, self.ep), ("edp_shard", "ep"))
             return experts, experts["dp_replicate", "edp_shard"]

@@ -22,6 +22,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_llmpar.layout import reuse_groups
+
 __all__ = ["TiedWeight", "TiedCopies", "find_tied_weights", "retie", "split_copies"]
 
 
@@ -217,10 +219,7 @@ def _pp_subgroup(mesh: DeviceMesh, pp_ranks: list[int]) -> dist.ProcessGroup | N
     if len(pp_ranks) == mesh.size(0):
         return mesh.get_group("pp")
     others = mesh.mesh[pp_ranks].reshape(len(pp_ranks), -1)  # mesh.mesh: global ranks, pp axis first
-    mine = None
-    for column in range(others.shape[1]):
-        members = [int(r) for r in others[:, column]]
-        group = dist.new_group(members)  # every rank creates every group, in the same order
-        if dist.get_rank() in members:
-            mine = group
-    return mine
+    columns = [[int(r) for r in others[:, column]] for column in range(others.shape[1])]
+    # Every rank creates every group, in the same order.
+    groups = reuse_groups(("pp_subgroups", *map(tuple, columns)), lambda: [dist.new_group(m) for m in columns])
+    return next((g for g, members in zip(groups, columns) if dist.get_rank() in members), None)
