@@ -90,27 +90,30 @@ def test_lora_under_tensor_parallelism_matches_one_process() -> None:
     # Adapters on every Linear of the blocks (lora_B drawn nonzero, so lora_A's gradient shows from the first step):
     # on column splits (q/k/v, gate/up; GPT-2's fused Conv1D c_attn and Phi-3's fused qkv and gate_up split per
     # piece, lora_B with them) and row splits (o/down; Doge's dt_proj, whose output is cut to this rank's key/value
-    # heads), with and without sequence parallelism. With adapter dropout,
-    # masks on a column split's replicated input are alike on every rank, so the replicated lora_A stay equal.
+    # heads), with and without sequence parallelism; on key/value heads shared by both ranks (Gemma-2B's one
+    # key/value head, Falcon-7B's and StarCoder's fused [all q; k; v]), lora_B gathered per head as its base layer.
+    # With adapter dropout, masks on a column split's replicated input are alike on every rank, so the replicated
+    # lora_A stay equal.
     pytest.importorskip("peft")
     lora = {"frozen": "lora_all"}
-    models = ["llama", "gpt2", "phi3", "doge"]
-    refs = _cases(1, [(m, None, lora) for m in models])
+    models = ["llama", "gpt2", "phi3", "doge", "gemma_mqa", "falcon_mqa", "gpt_bigcode_mqa"]
+    refs = dict(zip(models, _cases(1, [(m, None, lora) for m in models]), strict=True))
     tp, no_sp = {"tensor_parallel": 2}, {"tensor_parallel": 2, "sequence_parallel": False}
-    cases = [(m, tp, lora) for m in models] + [("llama", no_sp, lora), ("llama", tp, {**lora, "dropout": 0.1}),
-                                                ("llama", tp, {"frozen": "dora"}), ("jamba", tp, lora), ("qwen3_moe", tp, lora)]
-    outs = _cases(2, cases, timeout=300)
-    for ref, run in zip([*refs, refs[0]], outs[:5], strict=True):
-        assert_exact(ref[0], run)
-    assert set(refs[0][0]["grads"]) == {n for n in refs[0][0]["grads"] if "lora_" in n}, "only adapters train"
-    dropped = outs[5]
+    exact = [(m, tp, lora) for m in models] + [("llama", no_sp, lora), ("gemma_mqa", no_sp, lora)]
+    others = [("llama", tp, {**lora, "dropout": 0.1}), ("llama", tp, {"frozen": "dora"}), ("jamba", tp, lora),
+              ("qwen3_moe", tp, lora)]
+    outs = _cases(2, exact + others, timeout=300)
+    for (m, _, _), run in zip(exact, outs, strict=False):
+        assert_exact(refs[m][0], run)
+    assert set(refs["llama"][0]["grads"]) == {n for n in refs["llama"][0]["grads"] if "lora_" in n}, "only adapters train"
+    dropped, dora, mamba, experts = outs[len(exact):]
     assert "error" not in dropped[0], dropped[0].get("error")
     for name, p in dropped[0]["params"].items():
         assert torch.equal(p, dropped[1]["params"][name]), name
-    assert "adapter variant" in outs[6][0]["error"] and "use_dora=False" in outs[6][0]["error"]
+    assert "adapter variant" in dora[0]["error"] and "use_dora=False" in dora[0]["error"]
     # Refused before work: adapters on a Mamba mixer's projections, and on fused MoE experts (peft's "all-linear").
-    assert "a state-space or linear-attention mixer" in outs[7][0]["error"]
-    assert "mlp.experts' is a LoRA adapter" in outs[8][0]["error"] and "MoE experts" in outs[8][0]["error"]
+    assert "a state-space or linear-attention mixer" in mamba[0]["error"]
+    assert "mlp.experts' is a LoRA adapter" in experts[0]["error"] and "MoE experts" in experts[0]["error"]
 
 
 # ----------------------------------------------------------------------------------------- precision

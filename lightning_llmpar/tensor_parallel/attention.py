@@ -14,7 +14,6 @@ from lightning_llmpar.tensor_parallel.entries import has_params as _has_params
 from lightning_llmpar.tensor_parallel.entries import is_norm as _is_norm
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.entries import own_parameter_message as _own_message
-from lightning_llmpar.tensor_parallel.lora import is_lora
 from lightning_llmpar.tensor_parallel.packing import Packing
 from lightning_llmpar.tensor_parallel.param_styles import OwnPerHead, OwnShared, ReplicatedOnShards, ShardedNorm
 from lightning_llmpar.tensor_parallel.shared_heads import SharedKVHeads, shared_kv_heads
@@ -111,18 +110,12 @@ class AttentionPlanning:
         self._plan_qk_norms(full, attn, head_dim)
         return layout
 
-    def _kv_style(self, region: str, leaf: str, child: nn.Module, role: str, packing: Packing | None) -> Any:
+    def _kv_style(self, region: str, leaf: str, role: str, packing: Packing | None) -> Any:
         """The style of a column split whose key/value heads are shared by several ranks, or None."""
         kv = self._shared_kv.get(region)
         if kv is None or (role != "qkv" and leaf.lower() not in fam.K | fam.V):
             return None
         name = _join(region, leaf)
-        if is_lora(child):
-            raise ValueError(
-                f"LoRA layer '{name}' projects onto {kv} key/value head(s), fewer than tensor_parallel({self.tp}), so"
-                " each is gathered whole on several ranks, which a LoRA adapter's split does not follow. Leave the"
-                f" key/value projections out of target_modules, or {_fewer(kv)}."
-            )
         if role == "qkv" and packing is None:
             raise ValueError(
                 f"Module '{name}' fuses q, k and v grouped per head or per key/value group, and its {kv} key/value"

@@ -36,6 +36,7 @@ from lightning_llmpar.tensor_parallel.moe import MoEPlanning, fused_experts, sta
 from lightning_llmpar.tensor_parallel.outside import check_adapters, check_ties, plan_outside
 from lightning_llmpar.tensor_parallel.packing import Packing
 from lightning_llmpar.tensor_parallel.param_styles import ReplicatedOnShards
+from lightning_llmpar.tensor_parallel.shared_heads import SharedKVHeads
 from lightning_llmpar.tensor_parallel.shipped import shipped_roles
 from lightning_llmpar.tensor_parallel.ssm import plan_ssm
 from lightning_llmpar.tensor_parallel.styles import (
@@ -250,7 +251,7 @@ class _Planner(MoEPlanning, AttentionPlanning):
             name = _join(full, n)
             packing = self._column_packing(module, n, children[n], roles[n], heads)
             self._divisible(name, children[n], packing)
-            shared = self._kv_style(full, n, children[n], roles[n], packing) if attention else None
+            shared = self._kv_style(full, n, roles[n], packing) if attention else None
             self._add(name, shared or SplitLinear("col", input=col_in, packing=packing), covered)
             if packing is not None:
                 self._record_packing(name, children[n], packing)
@@ -330,7 +331,7 @@ class _Planner(MoEPlanning, AttentionPlanning):
     def _add(self, name: str, style: PlanEntry, covered: set[str]) -> None:
         base = name.split("#", 1)[0]
         covered.add(base)
-        if isinstance(style, SplitLinear) and is_lora(module := self.model.get_submodule(base)):
+        if isinstance(style, (SplitLinear, SharedKVHeads)) and is_lora(module := self.model.get_submodule(base)):
             covered.update(_join(base, n) for n, _ in module.named_modules())  # its layers are split with it
         if name not in self.claimed:
             self.styles[name] = style

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_llmpar.tensor_parallel.lora import check_lora, is_lora
 from lightning_llmpar.tensor_parallel.packing import Packing
 from lightning_llmpar.tensor_parallel.styles import (
     _distribute,
@@ -61,6 +62,8 @@ class SharedKVHeads(ParallelStyle):
         return torch.cat(kept, dim) if len(kept) > 1 else kept[0]
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if is_lora(module):
+            return self._split_lora(module, device_mesh)
         if not (isinstance(module, nn.Linear) or is_conv1d(module)):
             raise ValueError(f"SharedKVHeads splits nn.Linear or transformers Conv1D layers, not {type(module).__name__}.")
         out_dim = 1 if is_conv1d(module) else 0
@@ -81,6 +84,18 @@ class SharedKVHeads(ParallelStyle):
             return (x, *args[1:])
 
         module.register_forward_pre_hook(before)
+        return module
+
+    def _split_lora(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        """A peft LoRA layer: the base layer split so, ``lora_A`` whole on the replicated input and ``lora_B`` split and
+        gathered as the base layer is, so ``lora_B(lora_A(x))`` has the base output's heads. Ranks sharing a head
+        give ``lora_B`` parts of its gradient (reduce-scattered as the base weight's), and their sum over the ranks
+        reaches ``lora_A`` through lora_B's input, the same on every rank, as for any column split (lora.py)."""
+        check_lora(module, type(module).__name__)
+        self._apply(module.base_layer, mesh)
+        packing = self.packing and Packing(0, self.packing.sizes, self.packing.tp)  # lora_B is a Linear
+        for lora_b in module.lora_B.values():
+            SharedKVHeads(self.kv_heads, packing, self.shared)._apply(lora_b, mesh)
         return module
 
     def __repr__(self) -> str:

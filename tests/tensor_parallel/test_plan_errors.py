@@ -466,12 +466,16 @@ def test_key_value_heads_that_cannot_be_shared_are_refused(name: str, overrides:
         infer_tp_plan(_zoo_model(name, **overrides), tp)
 
 
-def test_lora_on_shared_key_value_heads_is_refused() -> None:
+def test_lora_on_shared_key_value_heads_follows_the_shared_split() -> None:
+    # The LoRA layer takes its projection's style: base layer and lora_B gathered per shared head (parity:
+    # tests/test_real_setups.py::test_lora_under_tensor_parallelism_matches_one_process).
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(_zoo_model("gemma_mqa"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    with pytest.raises(ValueError, match=r"LoRA layer '.*layers.0.self_attn.v_proj' projects onto 1 key/value head.*"
-                                         r"without tensor parallelism"):
-        infer_tp_plan(model, 2)
+    styles = infer_tp_plan(model, 2).styles
+    attn = "base_model.model.model.layers.0.self_attn"
+    assert type(styles[f"{attn}.v_proj"]).__name__ == "SharedKVHeads"
+    assert type(styles[f"{attn}.q_proj"]).__name__ == "SplitLinear"
+    assert not any(k.startswith(f"{attn}.v_proj.") for k in styles), "its inner layers are split with it"
 
 
 @pytest.mark.parametrize(("width", "split"), [(32, True), (4, True), (3, False)])
