@@ -5,7 +5,9 @@ The compile time falls in the warm-up steps; the median seconds per measured ste
 
 ``--profile`` adds where rank 0's time goes per step (torch.profiler self CPU time by kind of op) and the ceiling
 of any speedup that fusing can give: the eager step with every op other than GEMMs, attention, collectives and the
-optimizer kernel removed at no cost.
+optimizer kernel removed at no cost. It also gives the rate the step's GEMMs run at (the model's GEMM FLOPs per
+rank, counted from its shapes, over their profiled time) beside what one core reaches on one large fp32 GEMM:
+compiled code calls the same GEMM kernels, so where they already run near that peak only the rest can shrink.
 
 Run from the repository root:  python -m benchmarks.compile_bench [--rounds 3] [--steps 12] [--warmup 4] [--profile]
 Writes benchmarks/results/compile.json (``--only llmpar_cp2,...``: those eager layouts and their compiled twins,
@@ -50,6 +52,31 @@ def _time_by_kind(ops: list[dict]) -> dict[str, float]:
     return {k: round(v, 1) for k, v in sorted(out.items())}
 
 
+def _gemm_gflop_per_rank_step(name: str) -> float:
+    """The example GPT's GEMM FLOPs per rank and training step (forward, and backward at twice the forward): the
+    blocks' projections (q, k, v, o and the gated MLP of width 8d/3: 12 d^2 multiply-adds per token) and the head;
+    attention's own products run inside the attention kernel, counted apart."""
+    d, layers, vocab, tokens = MODEL["n_embd"], MODEL["n_layer"], MODEL["vocab_size"], BATCH * MODEL["block_size"]
+    split = 2 if "tp2" in name else 1  # tensor parallelism: each rank computes half the features of every GEMM
+    return 3 * 2 * tokens * (layers * 12 * d * d + d * vocab) / split / 1e9
+
+
+def _one_core_gemm_peak() -> float:
+    """GFLOP/s of one thread on a large fp32 GEMM (the best of four runs)."""
+    import time
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a, b = torch.randn(1536, 1536), torch.randn(1536, 1536)
+    best = float("inf")
+    for _ in range(4):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(threads)
+    return 2 * 1536**3 / best / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -80,11 +107,18 @@ def main() -> None:
             eager: seconds[eager] / (seconds[eager] - (kinds[eager].get("other_aten", 0.0)) / 1e3)
             for _, eager in pairs if isinstance(kinds.get(eager), dict) and isinstance(seconds[eager], float)
         }
+        peak = _one_core_gemm_peak()
+        result["gemm_rate_gflop_per_s"] = {
+            "one_core_peak_on_a_1536_cubed_gemm": round(peak, 1),
+            **{n: round(_gemm_gflop_per_rank_step(n) / (k["gemm"] / 1e3), 1)
+               for n, k in kinds.items() if isinstance(k, dict) and k.get("gemm")},
+        }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result.get(k) for k in ("seconds_per_step_median", "speedup_compiled_over_eager",
                                                   "profile_rank0_ms_per_step_by_kind",
-                                                  "ceiling_if_fusing_removed_every_other_op")}, indent=1))
+                                                  "ceiling_if_fusing_removed_every_other_op",
+                                                  "gemm_rate_gflop_per_s")}, indent=1))
 
 
 if __name__ == "__main__":
