@@ -97,7 +97,9 @@ def test_lora_under_tensor_parallelism_matches_one_process() -> None:
     pytest.importorskip("peft")
     lora = {"frozen": "lora_all"}
     models = ["llama", "gpt2", "phi3", "doge", "gemma_mqa", "falcon_mqa", "gpt_bigcode_mqa"]
-    refs = dict(zip(models, _cases(1, [(m, None, lora) for m in models]), strict=True))
+    clip = {**lora, "clip": 0.5}
+    *one, clip_ref = _cases(1, [(m, None, lora) for m in models] + [("gemma_mqa", None, clip)])
+    refs = dict(zip(models, one, strict=True))
     tp, no_sp = {"tensor_parallel": 2}, {"tensor_parallel": 2, "sequence_parallel": False}
     exact = [(m, tp, lora) for m in models] + [("llama", no_sp, lora), ("gemma_mqa", no_sp, lora)]
     others = [("llama", tp, {**lora, "dropout": 0.1}), ("llama", tp, {"frozen": "dora"}), ("jamba", tp, lora),
@@ -114,6 +116,12 @@ def test_lora_under_tensor_parallelism_matches_one_process() -> None:
     # Refused before work: adapters on a Mamba mixer's projections, and on fused MoE experts (peft's "all-linear").
     assert "a state-space or linear-attention mixer" in mamba[0]["error"]
     assert "mlp.experts' is a LoRA adapter" in experts[0]["error"] and "MoE experts" in experts[0]["error"]
+    # Composed on four ranks: with ZeRO-3 sharding the adapters and clipping, and with a pipeline.
+    tp_pp = {"tensor_parallel": 2, "pipeline_parallel": 2}
+    four = _cases(4, [("gemma_mqa", {"tensor_parallel": 2, "zero_stage": 3}, clip), ("falcon_mqa", tp_pp, lora),
+                      ("llama", tp_pp, lora)], timeout=300)
+    for ref, run in zip([clip_ref, refs["falcon_mqa"], refs["llama"]], four, strict=True):
+        assert_exact(ref[0], run)
 
 
 # ----------------------------------------------------------------------------------------- precision
