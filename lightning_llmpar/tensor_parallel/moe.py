@@ -140,6 +140,7 @@ class MoEPlanning:
         self.result.local_counts[name] = {width_attr: width // self.tp}
         return params
 
+
 def fused_experts(module: nn.Module, biases: bool = False) -> bool:
     """transformers-style fused experts: 3-D expert weights such as gate_up_proj (E, 2I, H), down_proj (E, H, I);
     with ``biases``, also (E, out) biases beside them (GPT-OSS)."""

@@ -16,7 +16,10 @@ from lightning_llmpar.tensor_parallel.param_styles import ReplicatedOnShards
 from lightning_llmpar.tensor_parallel.shared_heads import SharedKVHeads
 from lightning_llmpar.tensor_parallel.styles import SplitLinear, VocabEmbedding
 
-__all__ = ["check_adapters", "check_ties", "plan_outside", "weight_placement"]
+__all__ = ["LORA_SPLITS", "check_adapters", "check_ties", "plan_outside", "weight_placement"]
+
+# The styles that split a peft LoRA layer with its adapters (each a projection's column or row split).
+LORA_SPLITS = (SplitLinear, SharedKVHeads)
 
 
 def plan_outside(model: nn.Module, tp: int, styles: dict[str, Any], claimed: set[str], stack_prefix: str | None) -> None:
@@ -85,7 +88,7 @@ def check_adapters(model: nn.Module, styles: dict[str, Any], packings: dict[str,
         inside = [k for k, s in styles.items() if s is not None and k.split("#", 1)[0].startswith(name + ".")]
         if style is None and not inside:
             continue  # kept whole, with its base layer: every rank computes it alike
-        if not (isinstance(style, (SplitLinear, SharedKVHeads)) and is_lora(module)):
+        if not (isinstance(style, LORA_SPLITS) and is_lora(module)):
             raise ValueError(
                 f"Module '{name}' is a LoRA adapter (peft) around a module that tensor parallelism splits other than"
                 " as a projection (an embedding, the output head, MoE experts). Leave it out of the adapters'"

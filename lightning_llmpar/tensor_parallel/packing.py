@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-__all__ = ["Packing", "canonical_view", "canonical_regions", "local_region", "to_canonical", "to_packed"]
+__all__ = ["Packing", "canonical_view", "canonical_regions", "local_region", "on_rows", "to_canonical", "to_packed"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,11 @@ class Packing:
             else:
                 runs.append((offset, canonical, 1))
         return runs
+
+
+def on_rows(packing: Packing | None) -> Packing | None:
+    """The same pieces along dim 0: a projection's bias, or its LoRA ``lora_B`` (an nn.Linear even around a Conv1D)."""
+    return None if packing is None else Packing(0, packing.sizes, packing.tp)
 
 
 def to_packed(tensor: Tensor, packing: Packing) -> Tensor:

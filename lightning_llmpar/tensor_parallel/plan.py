@@ -33,10 +33,9 @@ from lightning_llmpar.tensor_parallel.lightning_attention import plan_lightning
 from lightning_llmpar.tensor_parallel.lora import is_lora, refuse_in_mixer
 from lightning_llmpar.tensor_parallel.mla import LATENT, plan_mla
 from lightning_llmpar.tensor_parallel.moe import MoEPlanning, fused_experts, stacked_experts
-from lightning_llmpar.tensor_parallel.outside import check_adapters, check_ties, plan_outside
-from lightning_llmpar.tensor_parallel.packing import Packing
+from lightning_llmpar.tensor_parallel.outside import LORA_SPLITS, check_adapters, check_ties, plan_outside
+from lightning_llmpar.tensor_parallel.packing import Packing, on_rows
 from lightning_llmpar.tensor_parallel.param_styles import ReplicatedOnShards
-from lightning_llmpar.tensor_parallel.shared_heads import SharedKVHeads
 from lightning_llmpar.tensor_parallel.shipped import shipped_roles
 from lightning_llmpar.tensor_parallel.ssm import plan_ssm
 from lightning_llmpar.tensor_parallel.styles import (
@@ -331,7 +330,7 @@ class _Planner(MoEPlanning, AttentionPlanning):
     def _add(self, name: str, style: PlanEntry, covered: set[str]) -> None:
         base = name.split("#", 1)[0]
         covered.add(base)
-        if isinstance(style, (SplitLinear, SharedKVHeads)) and is_lora(module := self.model.get_submodule(base)):
+        if isinstance(style, LORA_SPLITS) and is_lora(module := self.model.get_submodule(base)):
             covered.update(_join(base, n) for n, _ in module.named_modules())  # its layers are split with it
         if name not in self.claimed:
             self.styles[name] = style
@@ -339,5 +338,5 @@ class _Planner(MoEPlanning, AttentionPlanning):
     def _record_packing(self, name: str, module: nn.Module, packing: Packing) -> None:
         self.result.packings[f"{name}.weight"] = packing
         if isinstance(getattr(module, "bias", None), nn.Parameter):
-            self.result.packings[f"{name}.bias"] = Packing(0, packing.sizes, packing.tp)
+            self.result.packings[f"{name}.bias"] = on_rows(packing)
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_llmpar.tensor_parallel.lora import check_lora, is_lora
-from lightning_llmpar.tensor_parallel.packing import Packing
+from lightning_llmpar.tensor_parallel.packing import Packing, on_rows
 from lightning_llmpar.tensor_parallel.styles import (
     _distribute,
     _identity_forward_sum_backward,
@@ -70,8 +70,7 @@ class SharedKVHeads(ParallelStyle):
         module.register_parameter("weight", _distribute(module.weight, device_mesh, Shard(out_dim), self.packing))
         names = ["weight"]
         if isinstance(getattr(module, "bias", None), Tensor):
-            packing = Packing(0, self.packing.sizes, self.packing.tp) if self.packing is not None else None
-            module.register_parameter("bias", _distribute(module.bias, device_mesh, Shard(0), packing))
+            module.register_parameter("bias", _distribute(module.bias, device_mesh, Shard(0), on_rows(self.packing)))
             names.append("bias")
         _local_params_in_forward(module, names, lambda n, p: self._local(n, p, out_dim if n == "weight" else 0))
 
@@ -93,9 +92,8 @@ class SharedKVHeads(ParallelStyle):
         reaches ``lora_A`` through lora_B's input, the same on every rank, as for any column split (lora.py)."""
         check_lora(module, type(module).__name__)
         self._apply(module.base_layer, mesh)
-        packing = self.packing and Packing(0, self.packing.sizes, self.packing.tp)  # lora_B is a Linear
         for lora_b in module.lora_B.values():
-            SharedKVHeads(self.kv_heads, packing, self.shared)._apply(lora_b, mesh)
+            SharedKVHeads(self.kv_heads, on_rows(self.packing), self.shared)._apply(lora_b, mesh)
         return module
 
     def __repr__(self) -> str:

@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, pa
 
 from lightning_llmpar.modeling.structure import first_arg_name
 from lightning_llmpar.tensor_parallel.lora import check_lora, is_lora
-from lightning_llmpar.tensor_parallel.packing import Packing, to_packed
+from lightning_llmpar.tensor_parallel.packing import Packing, on_rows, to_packed
 
 __all__ = [
     "VocabEmbedding",
@@ -103,8 +103,7 @@ class SplitLinear(ParallelStyle):
         bias = getattr(module, "bias", None)
         if isinstance(bias, Tensor):
             placement = Shard(0) if self.kind == "col" else Replicate()
-            packing = Packing(0, self.packing.sizes, self.packing.tp) if self.packing is not None else None
-            module.register_parameter("bias", _distribute(bias, mesh, placement, packing))
+            module.register_parameter("bias", _distribute(bias, mesh, placement, on_rows(self.packing)))
 
     def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         if self.kind == "col" and self.input == Replicate() and (shared := _region_input(inputs[0], mesh)) is not None:
@@ -145,8 +144,7 @@ class SplitLinear(ParallelStyle):
             if self.kind == "col":  # A whole on the replicated input; B split by outputs, per piece if fused
                 if self.input == TOKEN:  # the base layer gathers this rank's tokens itself (an inline MLP): A too
                     parallelize_module(lora_a, mesh, PrepareFirstInput(TOKEN, Replicate()))
-                packing = self.packing and Packing(0, self.packing.sizes, self.packing.tp)  # lora_B is a Linear
-                parallelize_module(lora_b, mesh, SplitLinear("col", input=Replicate(), packing=packing))
+                parallelize_module(lora_b, mesh, SplitLinear("col", input=Replicate(), packing=on_rows(self.packing)))
             else:  # A split by inputs, its output summed; B whole, its output cut as the base layer's is (this
                 # rank's tokens under SP, its heads' values for a projection onto heads)
                 parallelize_module(lora_a, mesh, SplitLinear("row", input=self.input, output=Replicate()))
