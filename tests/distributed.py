@@ -2,6 +2,7 @@
 
 Workers come from a forkserver that has already imported torch and Lightning, so a rank starts in
 a fraction of a second and never inherits an OpenMP pool from the test process (which can hang a fork).
+A launch whose rank crashes natively runs once more (see run_ranks).
 No rank exits before every rank has reported: a rank still tearing down its process groups when a peer's
 sockets close can be aborted by gloo's background thread, losing its result.
 """
@@ -12,10 +13,14 @@ import faulthandler
 import io
 import multiprocessing as mp
 import os
+import shutil
+import signal
 import socket
+import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -32,9 +37,15 @@ def free_port() -> int:
 
 
 def _worker(
-    fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, kwargs: dict, queue: Any, done: Any
+    fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, kwargs: dict, queue: Any, done: Any,
+    crash_log: str,
 ) -> None:
-    faulthandler.enable(all_threads=True)  # a native abort (SIGABRT, SIGSEGV) shows where each thread was
+    # A native abort (SIGABRT, SIGSEGV) writes where each thread was to a file the launcher reads back into its error,
+    # as does SIGUSR1, which the launcher sends a rank still running when a peer died. A rank's stderr is captured by
+    # whichever test started the forkserver, not by the test that crashed.
+    log = open(crash_log, "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.enable(file=log, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -62,11 +73,35 @@ def _worker(
         pass
 
 
+class NativeCrash(RuntimeError):
+    """A rank died by a signal of its own (abort, segmentation fault) before reporting."""
+
+
+# Signals a rank raises itself when native code fails; a SIGKILL is someone's intent (the fault-tolerance tests').
+_CRASHES = {-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGBUS}
+
+
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300, **kwargs: Any) -> list[Any]:
-    """Call ``fn(*args, **kwargs)`` on ``world`` ranks with torch.distributed env vars set; return per-rank results."""
+    """Call ``fn(*args, **kwargs)`` on ``world`` ranks with torch.distributed env vars set; return per-rank results.
+
+    A launch in which a rank crashes natively (in gloo's or torch's C++, with no Python error) runs once more, with
+    the crash's stacks as a warning: the same crash twice, any Python error and any wrong result still fail.
+    """
+    try:
+        return _launch(fn, world, args, kwargs, timeout)
+    except NativeCrash as crash:
+        name = getattr(fn, "__name__", fn)
+        warnings.warn(f"relaunched {name} after a native crash: {crash}", RuntimeWarning, stacklevel=2)
+        return _launch(fn, world, args, kwargs, timeout)
+
+
+def _launch(fn: Callable[..., Any], world: int, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
     port = free_port()
     queue, done = _CTX.SimpleQueue(), _CTX.Barrier(world)
-    procs = [_CTX.Process(target=_worker, args=(fn, r, world, port, args, kwargs, queue, done)) for r in range(world)]
+    logs = tempfile.mkdtemp(prefix="ranks-")
+    crash_logs = [os.path.join(logs, f"rank{r}.txt") for r in range(world)]
+    procs = [_CTX.Process(target=_worker, args=(fn, r, world, port, args, kwargs, queue, done, crash_logs[r]))
+             for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -77,8 +112,12 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 3
         if time.monotonic() > deadline:
             break
         if queue.empty():
-            if any(p.exitcode is not None and r not in reported for r, p in enumerate(procs)) and queue.empty():
-                break  # a rank died without reporting (its peers wait for it at the barrier)
+            dead = {r for r, p in enumerate(procs) if p.exitcode is not None and r not in reported}
+            if dead and queue.empty():
+                if len(reported | dead) == world:
+                    break
+                # A rank died without reporting: its peers fail in a collective and report that, which takes a moment.
+                deadline = min(deadline, time.monotonic() + 5)
             time.sleep(0.05)
             continue
         rank, ok, value = queue.get()
@@ -87,13 +126,50 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 3
             results[rank] = torch.load(io.BytesIO(value), weights_only=False)
         else:
             errors.append(f"rank {rank}:\n{value}")
+    if len(reported) < world:
+        done.abort()  # release the ranks that reported from waiting for the one that will not
+    codes: list[int | None] = []
     for p in procs:
         p.join(timeout=5)
+        codes.append(p.exitcode)
         if p.is_alive():
+            os.kill(p.pid, signal.SIGUSR1)  # where it waits, beside the peer that died
+            time.sleep(1)
             p.kill()
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    if len(results) != world:
-        codes = [p.exitcode for p in procs]
-        raise RuntimeError(f"only {sorted(results)} of {world} ranks finished (exit codes {codes}, timeout {timeout}s)")
-    return [results[r] for r in range(world)]
+    try:
+        if len(results) != world:
+            stacks = "".join(_stack_report(r, code, path) for r, (code, path) in enumerate(zip(codes, crash_logs))
+                             if r not in reported)
+            died = [f"rank {r} died ({codes[r]}) at {_innermost(crash_logs[r])}" for r in range(world)
+                    if codes[r] not in (None, 0) and r not in reported]
+            crashed = any(codes[r] in _CRASHES for r in range(world) if r not in reported)
+            raise (NativeCrash if crashed else RuntimeError)("\n".join([
+                *died,  # first, so that a summary's one line tells where a native crash happened
+                *errors,
+                f"only {sorted(results)} of {world} ranks finished (exit codes {codes}, timeout {timeout}s){stacks}"
+            ]))
+        return [results[r] for r in range(world)]
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+
+
+def _stack_report(rank: int, code: int | None, path: str, lines: int = 30) -> str:
+    """The first lines faulthandler wrote for a rank (the crashing or signalled thread comes first)."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    state = "still running" if code is None else f"exit code {code}"
+    kept = [line for line in text.splitlines() if not line.startswith("Extension modules:")][:lines]
+    return f"\nrank {rank} ({state}):\n" + "\n".join(kept) if text else ""
+
+
+def _innermost(path: str) -> str:
+    """The crashing thread's innermost Python frame, from faulthandler's report."""
+    try:
+        with open(path) as f:
+            frames = [line.strip() for line in f if line.startswith("  File ")]
+    except OSError:
+        frames = []
+    return frames[0] if frames else "no Python frame"
