@@ -157,15 +157,17 @@ class _Planner(MoEPlanning, AttentionPlanning):
                 streams[expert] = []
             if not experts:
                 streams[name] = rows
-            # A LoRA adapter's dropout: on a column split's (replicated) input alike on every rank, on a row split's
-            # (this rank's features, after the part ends) per rank.
+            # A LoRA adapter's dropout: on a column split's or shared heads' (replicated) input alike on every rank,
+            # else lora_A, whole on every rank, would step with different gradients; on a row split's (this rank's
+            # features, after the part ends) per rank.
             for split, style in self.styles.items():
-                if not (split.startswith(name + ".") and isinstance(style, SplitLinear)):
+                if not (split.startswith(name + ".") and isinstance(style, LORA_SPLITS)):
                     continue
                 if is_lora(lora := self.model.get_submodule(split)):
                     drops = [f"{split}.lora_dropout.{k}" for k, m in lora.lora_dropout.items() if isinstance(m, nn.Dropout)]
-                    self.result.replicated_dropout.extend(drops if style.kind == "col" else [])
-                    streams.update({d: [] for d in drops if style.kind == "row"})
+                    row = isinstance(style, SplitLinear) and style.kind == "row"
+                    self.result.replicated_dropout.extend([] if row else drops)
+                    streams.update({d: [] for d in drops if row})
         if self.seq:
             for sub_name, sub in block.named_modules():
                 full = _join(block_name, sub_name)
