@@ -161,15 +161,19 @@ def _stack_report(rank: int, code: int | None, path: str, lines: int = 30) -> st
     except OSError:
         return ""
     state = "still running" if code is None else f"exit code {code}"
-    kept = [line for line in text.splitlines() if not line.startswith("Extension modules:")][:lines]
+    blocks = [b for b in text.split("\n\n") if not b.startswith("Extension modules:")]
+    blocks.sort(key=lambda b: not b.lstrip().startswith("Current thread"))  # the crashing thread first
+    kept = "\n".join(blocks).splitlines()[:lines]
     return f"\nrank {rank} ({state}):\n" + "\n".join(kept) if text else ""
 
 
 def _innermost(path: str) -> str:
-    """The crashing thread's innermost Python frame, from faulthandler's report."""
+    """The crashing thread's innermost Python frame, from faulthandler's report (which lists every thread)."""
     try:
         with open(path) as f:
-            frames = [line.strip() for line in f if line.startswith("  File ")]
+            lines = f.read().splitlines()
     except OSError:
-        frames = []
+        lines = []
+    start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), 0)
+    frames = [line.strip() for line in lines[start:] if line.startswith("  File ")]
     return frames[0] if frames else "no Python frame"
