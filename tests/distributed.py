@@ -153,27 +153,24 @@ def _launch(fn: Callable[..., Any], world: int, args: tuple, kwargs: dict, timeo
         shutil.rmtree(logs, ignore_errors=True)
 
 
-def _stack_report(rank: int, code: int | None, path: str, lines: int = 30) -> str:
-    """The first lines faulthandler wrote for a rank (the crashing or signalled thread comes first)."""
+def _faulthandler_lines(path: str) -> list[str]:
+    """What faulthandler wrote for a rank, the crashing (or signalled) thread first: it lists every thread."""
     try:
         with open(path) as f:
             text = f.read().strip()
     except OSError:
-        return ""
+        return []
+    blocks = [b for b in text.split("\n\n") if b and not b.startswith("Extension modules:")]
+    blocks.sort(key=lambda b: not b.lstrip().startswith("Current thread"))
+    return "\n".join(blocks).splitlines()
+
+
+def _stack_report(rank: int, code: int | None, path: str, lines: int = 30) -> str:
+    kept = _faulthandler_lines(path)[:lines]
     state = "still running" if code is None else f"exit code {code}"
-    blocks = [b for b in text.split("\n\n") if not b.startswith("Extension modules:")]
-    blocks.sort(key=lambda b: not b.lstrip().startswith("Current thread"))  # the crashing thread first
-    kept = "\n".join(blocks).splitlines()[:lines]
-    return f"\nrank {rank} ({state}):\n" + "\n".join(kept) if text else ""
+    return f"\nrank {rank} ({state}):\n" + "\n".join(kept) if kept else ""
 
 
 def _innermost(path: str) -> str:
-    """The crashing thread's innermost Python frame, from faulthandler's report (which lists every thread)."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        lines = []
-    start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), 0)
-    frames = [line.strip() for line in lines[start:] if line.startswith("  File ")]
+    frames = [line.strip() for line in _faulthandler_lines(path) if line.startswith("  File ")]
     return frames[0] if frames else "no Python frame"

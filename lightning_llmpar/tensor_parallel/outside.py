@@ -18,7 +18,8 @@ from lightning_llmpar.tensor_parallel.styles import SplitLinear, VocabEmbedding
 
 __all__ = ["LORA_SPLITS", "check_adapters", "check_ties", "plan_outside", "weight_placement"]
 
-# The styles that split a peft LoRA layer with its adapters (each a projection's column or row split).
+# The styles that split a peft LoRA layer with its adapters: a projection's column or row split, and a projection
+# onto key/value heads the ranks share.
 LORA_SPLITS = (SplitLinear, SharedKVHeads)
 
 
