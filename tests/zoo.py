@@ -328,7 +328,7 @@ class Record(Callback):
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self.grads:
             return
-        from lightning_llmpar.tensor_parallel.packing import to_canonical
+        from lightning_llmpar.modeling.packing import to_canonical
 
         strategy = trainer.strategy
         packings = getattr(strategy, "packings", {})
@@ -461,7 +461,7 @@ def fit_case(
     aliases = getattr(trainer.strategy, "tied_aliases", {})
     params = {}
     if engine is None:
-        from lightning_llmpar.tensor_parallel.packing import to_canonical
+        from lightning_llmpar.modeling.packing import to_canonical
 
         for pname, p in module.named_parameters():
             value = full(p).cpu()

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_llmpar.tensor_parallel.packing import Packing, canonical_view, unwrap
+from lightning_llmpar.modeling.packing import Packing, canonical_view, unwrap
 
 __all__ = ["save_checkpoint", "write_atomically", "write_distributed", "load_checkpoint", "is_checkpoint", "export_consolidated", "META_FILE"]
 

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_llmpar.checkpointing.conversions import Source, conversions, read, source_shape
 from lightning_llmpar.modeling.materialize import pretrained_models
-from lightning_llmpar.tensor_parallel.packing import Packing, canonical_regions, local_region, to_canonical
+from lightning_llmpar.modeling.packing import Packing, canonical_regions, local_region, to_canonical
 
 __all__ = ["HFCheckpointExport", "check_hf_directory", "hf_state_dict", "load_hf_checkpoint", "save_hf_checkpoint"]
 

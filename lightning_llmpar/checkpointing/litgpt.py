@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_llmpar.checkpointing.hf import fill_from_files
-from lightning_llmpar.tensor_parallel.packing import Packing
+from lightning_llmpar.modeling.packing import Packing
 
 __all__ = ["check_litgpt_directory", "load_litgpt_checkpoint"]
 

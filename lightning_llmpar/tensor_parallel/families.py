@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_llmpar.tensor_parallel.packing import Packing
+from lightning_llmpar.modeling.packing import Packing
 
 __all__ = [
     "Q", "K", "V", "OUT", "UP", "DOWN", "FUSED_QKV", "FUSED_UP", "HEAD_COUNT_ATTRS", "KV_COUNT_ATTRS", "WIDTH_ATTRS",

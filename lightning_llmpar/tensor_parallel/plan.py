@@ -34,7 +34,7 @@ from lightning_llmpar.tensor_parallel.lora import is_lora, refuse_in_mixer
 from lightning_llmpar.tensor_parallel.mla import LATENT, plan_mla
 from lightning_llmpar.tensor_parallel.moe import MoEPlanning, fused_experts, stacked_experts
 from lightning_llmpar.tensor_parallel.outside import LORA_SPLITS, check_adapters, check_ties, plan_outside
-from lightning_llmpar.tensor_parallel.packing import Packing, on_rows
+from lightning_llmpar.modeling.packing import Packing, on_rows
 from lightning_llmpar.tensor_parallel.param_styles import ReplicatedOnShards
 from lightning_llmpar.tensor_parallel.shipped import shipped_roles
 from lightning_llmpar.tensor_parallel.ssm import plan_ssm

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_llmpar.tensor_parallel.lora import check_lora, is_lora
-from lightning_llmpar.tensor_parallel.packing import Packing, on_rows
+from lightning_llmpar.modeling.packing import Packing, on_rows
 from lightning_llmpar.tensor_parallel.styles import (
     _distribute,
     _identity_forward_sum_backward,

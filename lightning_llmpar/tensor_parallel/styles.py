@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, pa
 
 from lightning_llmpar.modeling.structure import first_arg_name
 from lightning_llmpar.tensor_parallel.lora import check_lora, is_lora
-from lightning_llmpar.tensor_parallel.packing import Packing, on_rows, to_packed
+from lightning_llmpar.modeling.packing import Packing, on_rows, to_packed
 
 __all__ = [
     "VocabEmbedding",
