@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.vs_lightning import BATCH, MODEL, _profiles, _rounds
-from tests.distributed import run_ranks
+from lightning_llmpar.launch import run_ranks
 
 OUT = Path(__file__).parent / "results" / "compile.json"
 EAGER = ("llmpar_zero0", "llmpar_zero3", "llmpar_tp2", "llmpar_tp2_no_sp", "llmpar_cp2")

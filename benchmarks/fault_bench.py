@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tests.distributed import run_ranks
+from lightning_llmpar.launch import run_ranks
 from tests.fault_tolerance.test_fault_tolerance import STEPS, _committed, _run_until_done
 from tests.ft_train import train
 

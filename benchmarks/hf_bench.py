@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from tests.distributed import run_ranks
+from lightning_llmpar.launch import run_ranks
 
 OUT = Path(__file__).parent / "results" / "hf.json"
 

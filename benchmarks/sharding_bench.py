@@ -18,10 +18,10 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.distributed.tensor import DTensor
 
+from benchmarks.workloads import TokenData
 from lightning_llmpar import LLMParallelStrategy
+from lightning_llmpar.launch import run_ranks
 from lightning_llmpar.models import GPTModule
-from tests.distributed import run_ranks
-from tests.workloads import TokenData
 
 OUT = Path(__file__).parent / "results" / "sharding.json"
 MODEL = dict(vocab_size=64, block_size=16, n_layer=8, n_head=8, n_kv_head=8, n_embd=512)

@@ -28,7 +28,7 @@ from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_every
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_llmpar.models import GPTModule
-from tests.distributed import run_ranks
+from lightning_llmpar.launch import run_ranks
 
 OUT = Path(__file__).parent / "results" / "vs_lightning.json"
 MODEL = dict(vocab_size=256, block_size=128, n_layer=6, n_head=6, n_kv_head=6, n_embd=384)

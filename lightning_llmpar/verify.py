@@ -14,20 +14,15 @@ from __future__ import annotations
 
 import importlib
 import math
-import multiprocessing
 import os
-import socket
-import sys
-import tempfile
-import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor
+
+from lightning_llmpar.launch import run_ranks
 
 __all__ = ["ParityReport", "verify_parity"]
 
@@ -174,7 +169,7 @@ def _first_step_grads(module: Any, strategy: Any, distributed: bool) -> dict[str
     """Full gradients named as in one process, on global rank 0 (collective: every rank calls it)."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_llmpar.tensor_parallel.packing import to_canonical
+    from lightning_llmpar.modeling.packing import to_canonical
 
     packings = getattr(strategy, "packings", {}) if distributed else {}
     aliases = getattr(strategy, "tied_aliases", {}) if distributed else {}
@@ -194,39 +189,9 @@ def _first_step_grads(module: Any, strategy: Any, distributed: bool) -> dict[str
     return merged if dist.get_rank() == 0 else {}
 
 
-def _worker(rank: int, world: int, port: int, spec: dict[str, Any], out: str, done: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", GROUP_RANK="0")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    try:
-        result = _run(spec)
-        if rank == 0:
-            torch.save(result, out)
-    except BaseException:
-        done.abort()  # peers waiting below are released; the spawn launcher reports this traceback
-        raise
-    # A finished rank must neither close its sockets while a peer still tears down nor run gloo's exit-time
-    # destructors: either has aborted a finished rank ("terminate called without an active exception"). So every
-    # rank waits for all to finish, then leaves without interpreter finalization.
-    try:
-        done.wait(timeout=300)
-    except threading.BrokenBarrierError:
-        pass
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def _launch(spec: dict[str, Any], devices: int) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    done = multiprocessing.get_context("spawn").Barrier(devices)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "result.pt")
-        mp.start_processes(_worker, args=(devices, port, spec, out, done), nprocs=devices, start_method="spawn",
-                           join=True)
-        return torch.load(out, weights_only=False)
+    """Rank 0's result of ``_run(spec)`` on ``devices`` ranks (the package's launcher, as the tests use it)."""
+    return run_ranks(_run, devices, spec, timeout=1800, threads=max(1, (os.cpu_count() or 1) // devices))[0]
 
 
 def verify_parity(

@@ -1,0 +1,25 @@
+"""Data the benchmarks train on: fixed random token windows, dealt to data-parallel ranks in a fixed order."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_llmpar.data import ordered_loader
+
+__all__ = ["TokenData"]
+
+
+class TokenData(LightningDataModule):
+    """``n`` random windows of ``seq`` tokens below ``vocab`` (inputs, next-token targets); no shuffling."""
+
+    def __init__(self, batch_size: int, n: int = 256, vocab: int = 64, seq: int = 16, seed: int = 1234) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, vocab, (n, seq + 1), generator=g)
+        self.data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return ordered_loader(self.data, self.batch_size, self.trainer.strategy)
