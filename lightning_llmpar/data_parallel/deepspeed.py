@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_llmpar.data_parallel.backend import ShardingBackend
+from lightning_llmpar.data_parallel.backend import BackendContext, ShardingBackend
 from lightning_llmpar.data_parallel.deepspeed_config import (
     build_deepspeed_config,
     check_deepspeed_layout,
@@ -24,11 +25,10 @@ from lightning_llmpar.data_parallel.deepspeed_config import (
     deepspeed_precision,
 )
 from lightning_llmpar.precision.plugins import mesh_precision
+from lightning_llmpar.strategies.options import StrategyOptions
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-    from lightning_llmpar.strategies.llm_parallel import LLMParallelStrategy
 
 __all__ = ["DeepSpeedBackend", "DS_TAG"]
 
@@ -55,13 +55,13 @@ class DeepSpeedBackend(ShardingBackend):
     pipeline_parallel must be 1. The engine owns precision, clipping and the optimizer step."""
 
     name = "deepspeed"
+    composes = False
 
-    def __init__(self, strategy: LLMParallelStrategy) -> None:
-        super().__init__(strategy)
-        options = strategy.options
+    def __init__(self, strategy: ParallelStrategy, options: StrategyOptions) -> None:
+        super().__init__(strategy, options)
         degrees = options.degrees
         check_deepspeed_layout(
-            degrees["tensor_parallel"], degrees["pipeline_parallel"], strategy.parallel_config.cpu_offload,
+            degrees["tensor_parallel"], degrees["pipeline_parallel"], options.cpu_offload,
             options.deepspeed["gradient_compression"],
         )
         check_nvme(options.deepspeed["offload_optimizer"], options.deepspeed["offload_parameters"])
@@ -70,7 +70,7 @@ class DeepSpeedBackend(ShardingBackend):
         self.precision: dict[str, Any] = {}
 
     def _static(self) -> dict[str, Any]:
-        opts = self.strategy.options.deepspeed
+        opts = self.options.deepspeed
         return {
             "user_config": opts["deepspeed_config"],
             "offload_optimizer": opts["offload_optimizer"],
@@ -87,16 +87,17 @@ class DeepSpeedBackend(ShardingBackend):
         dtype = getattr(plugin, "compute_dtype", torch.float32)
         return _EnginePrecision(dtype, cast) if plugin is not None else None
 
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup(self, trainer: pl.Trainer, ctx: BackendContext) -> None:
         import deepspeed
 
         s = self.strategy
         module = s.lightning_module
         assert module is not None
+        self.ctx = ctx
         module.to(s.root_device)
         optimizer = None
         if trainer.state.fn == TrainerFn.FITTING:
-            s._reset_optimizers_and_schedulers()
+            s.optimizers, s.lr_scheduler_configs = [], []
             s.setup_optimizers(trainer)
             if len(s.optimizers) != 1:
                 raise ValueError(
@@ -108,7 +109,7 @@ class DeepSpeedBackend(ShardingBackend):
         if clip is not None and trainer.gradient_clip_algorithm not in (None, "norm"):
             raise ValueError("DeepSpeed clips by norm only; set gradient_clip_algorithm='norm'.")
         config = build_deepspeed_config(
-            zero_stage=s.layout.zero_stage,
+            zero_stage=ctx.layout.zero_stage,
             gradient_clipping=float(clip) if clip else None,
             accumulate=trainer.accumulate_grad_batches,
             num_params=sum(p.numel() for p in module.parameters()),

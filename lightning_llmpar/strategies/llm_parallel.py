@@ -15,25 +15,28 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_llmpar.activation_checkpointing.policy import ActivationCheckpointing
 from lightning_llmpar.checkpointing import dcp as ckpt
+from lightning_llmpar.compose import Composed, SetupContext, compose, composed_before
 from lightning_llmpar.context_parallel import ContextParallel
-from lightning_llmpar.data_parallel.backend import FSDP2Backend, ShardingBackend
+from lightning_llmpar.data_parallel.backend import BackendContext, FSDP2Backend, ShardingBackend
 from lightning_llmpar.data_parallel.deepspeed import DeepSpeedBackend
 from lightning_llmpar.data_parallel.fsdp import no_gradient_sync
+from lightning_llmpar.data_parallel.replicate import ManualBackwardRedirection
 from lightning_llmpar.layout import ParallelLayout
-from lightning_llmpar.parallelize import ParallelConfig
+from lightning_llmpar.pipeline.check import first_sample
 from lightning_llmpar.pipeline.runner import PipelineRunner
 from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.strategies.mesh import MeshStrategy
 from lightning_llmpar.strategies.options import BACKENDS, START_METHODS, validate_options
 from lightning_llmpar.tensor_parallel import Packing
 from lightning_llmpar.training.batches import train_batch_sizes
-from lightning_llmpar.training.loss_normalization import TokenNormalizer
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -150,22 +153,18 @@ class LLMParallelStrategy(MeshStrategy):
             precision_plugin=precision_plugin,
         )
         arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        # Every argument is checked once, here, into one frozen object; nothing below changes it.
         self.options = options = validate_options(arguments)
         self.pipeline = options.pipeline
         self.hf_checkpoint, self.litgpt_checkpoint = options.hf_checkpoint, options.litgpt_checkpoint
-        self._tokens: TokenNormalizer | None = None
-        self._step_tokens = 1
-        self.context_parallel: ContextParallel | None = None
-        self.parallel_config = ParallelConfig(
-            sequence_parallel=sequence_parallel, tp_plan=dict(tp_plan or {}), cpu_offload=cpu_offload,
-            gradient_compression=options.compression, expert_capacity_factor=expert_capacity_factor, compile=compile,
-        )
+        self._composed: Composed | None = None  # what compose built at set-up
         self._start_method, self._process_group_backend, self._timeout = start_method, process_group_backend, timeout
         self._layout, self._device_mesh, self._dp_mesh = None, None, None
         self.num_nodes = 1
         # The sharding backend is an object this strategy holds; the precision plugin given so far is converted
         # again for it (the DeepSpeed engine runs precision itself).
-        self._backend: ShardingBackend = DeepSpeedBackend(self) if sharding_backend == "deepspeed" else FSDP2Backend(self)
+        backend = DeepSpeedBackend if sharding_backend == "deepspeed" else FSDP2Backend
+        self._backend: ShardingBackend = backend(self, options)
         self.precision_plugin = self._given_precision
 
     @property
@@ -184,8 +183,12 @@ class LLMParallelStrategy(MeshStrategy):
 
     # ----------------------------------------------------------------- layout and processes
 
+    def _degrees(self, world_size: int) -> dict[str, Any]:
+        """The degrees this run is built with (a preset may derive some from the world size)."""
+        return dict(self.options.degrees)
+
     def _build_layout(self, world_size: int) -> ParallelLayout:
-        degrees = dict(self.options.degrees)
+        degrees = self._degrees(world_size)
         if degrees["data_parallel_replicate"] == "num_nodes":
             degrees["data_parallel_replicate"] = self.num_nodes
         layout = ParallelLayout.from_degrees(world_size, **degrees)
@@ -228,9 +231,48 @@ class LLMParallelStrategy(MeshStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None
+        """Compose every dimension on the module (``lightning_llmpar.compose``), then let the backend wrap it."""
+        assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
-        self._backend.setup(trainer)
+        module = self.lightning_module
+        self._forward_redirection = ManualBackwardRedirection()  # manual optimization on DDP (see data_parallel.replicate)
+        if self._backend.composes:
+            self._composed = composed_before(module, self.layout) or compose(module, self._setup_context(trainer))
+        assert self._dp_mesh is not None
+        self._backend.setup(trainer, BackendContext(self.layout, self.device_mesh, self._dp_mesh, self.options, self._composed))
+
+    def _setup_context(self, trainer: pl.Trainer) -> SetupContext:
+        checkpointing = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)
+        return SetupContext(
+            self.layout, self.device_mesh, self.options, self.root_device, self.precision_plugin, checkpointing,
+            self._split_check(trainer),
+        )
+
+    def _split_check(self, trainer: pl.Trainer) -> Callable[[], Any] | None:
+        """The user's training step on one sample of the first training batch, for the pipeline split check."""
+        if self.layout.pp == 1 or not self.options.pipeline_check or trainer.state.fn != TrainerFn.FITTING:
+            return None
+        batch = first_sample(trainer)
+        if batch is None:
+            return None
+        module = self.lightning_module
+        assert module is not None
+
+        def step() -> Any:
+            # The user's step runs a few extra times here; ``trainer.strategy.checking_pipeline_split`` lets it
+            # skip side effects of its own (counters, files).
+            self.checking_pipeline_split = True
+            try:
+                return module.training_step(batch, 0)
+            finally:
+                self.checking_pipeline_split = False
+
+        return step
+
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        """Context parallelism as composed (None without it or before set-up)."""
+        return self._composed.context_parallel if self._composed is not None else None
 
     @contextmanager
     @override
@@ -252,9 +294,10 @@ class LLMParallelStrategy(MeshStrategy):
         return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
 
     def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        tokens = self._composed.tokens if self._composed is not None else None
         if self._runner is None:
-            if method == "training_step" and self._tokens is not None:
-                self._step_tokens = self._tokens.add(args[0] if args else next(iter(kwargs.values())))
+            if method == "training_step" and tokens is not None:
+                tokens.add(args[0] if args else next(iter(kwargs.values())))
             if self.context_parallel is not None:
                 training = method == "training_step" and not self.checking_pipeline_split
                 return self.context_parallel.run(training, self._through_root, method, args, kwargs)
@@ -333,7 +376,7 @@ class LLMParallelStrategy(MeshStrategy):
     @property
     def packings(self) -> dict[str, Packing]:
         """Fused parameters split per piece under tensor parallelism: name -> layout (see tensor_parallel.packing)."""
-        return dict(self._backend.parallelized.packings)
+        return dict(self._composed.parallelized.packings) if self._composed is not None else {}
 
     @property
     def tied_aliases(self) -> dict[str, str]:
@@ -344,7 +387,8 @@ class LLMParallelStrategy(MeshStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         deferring = self._runner.deferring_reduction() if self._runner else nullcontext()
-        with no_gradient_sync(self._backend.parallelized.dp_roots), deferring:
+        roots = self._composed.parallelized.dp_roots if self._composed is not None else []
+        with no_gradient_sync(roots), deferring:
             yield None
 
     # ----------------------------------------------------------------- checkpoints

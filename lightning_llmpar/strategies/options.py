@@ -20,11 +20,12 @@ START_METHODS = Literal["popen", "spawn", "fork", "forkserver"]
 BACKENDS = Literal["fsdp2", "deepspeed"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class StrategyOptions:
-    """Everything the strategy was given, checked and normalized."""
+    """Everything the strategy was given, checked and normalized once, at construction; never changed after (a
+    preset or a derived layout builds a new one with ``dataclasses.replace``)."""
 
-    degrees: dict[str, Any]
+    degrees: Mapping[str, Any]
     pipeline: PipelineConfig
     backend: str
     compression: CompressionConfig | None
@@ -36,6 +37,12 @@ class StrategyOptions:
     count_tokens: Callable[[Any], int] | None = None
     context_parallel_mode: str = "ring"
     fused_optimizer: bool = True
+    sequence_parallel: bool = True
+    tp_plan: Mapping[str, Any] = field(default_factory=dict)
+    cpu_offload: bool = False
+    expert_capacity_factor: float | None = None
+    compile: bool = False
+    start_method: str = "popen"
 
 
 def positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
@@ -213,5 +220,10 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
     degrees = {k: a[k] for k in ("tensor_parallel", "pipeline_parallel", "data_parallel", "data_parallel_replicate",
                                  "zero_stage", "context_parallel", "expert_parallel")}
     count = None if norm == "mean" else count_target_tokens if norm == "tokens" else norm
-    return StrategyOptions(degrees, pipeline, a["sharding_backend"], compression, deepspeed, hf, litgpt, stack,
-                           a["pipeline_check"], count, a["context_parallel_mode"], a["fused_optimizer"])
+    return StrategyOptions(
+        degrees=degrees, pipeline=pipeline, backend=a["sharding_backend"], compression=compression, deepspeed=deepspeed,
+        hf_checkpoint=hf, litgpt_checkpoint=litgpt, block_stack=stack, pipeline_check=a["pipeline_check"],
+        count_tokens=count, context_parallel_mode=a["context_parallel_mode"], fused_optimizer=a["fused_optimizer"],
+        sequence_parallel=a["sequence_parallel"], tp_plan=dict(a["tp_plan"] or {}), cpu_offload=a["cpu_offload"],
+        expert_capacity_factor=a["expert_capacity_factor"], compile=a["compile"], start_method=a["start_method"],
+    )

@@ -41,6 +41,5 @@ def register_strategies() -> None:
 class _AllDevicesTP(LLMParallelStrategy):
     """Tensor parallelism across every process of the run."""
 
-    def _build_layout(self, world_size: int):  # type: ignore[override]
-        self.options.degrees["tensor_parallel"] = world_size
-        return super()._build_layout(world_size)
+    def _degrees(self, world_size: int) -> dict[str, Any]:
+        return {**super()._degrees(world_size), "tensor_parallel": world_size}

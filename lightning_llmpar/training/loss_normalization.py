@@ -40,10 +40,12 @@ class TokenNormalizer:
     def __init__(self, count: Callable[[Any], int], tp: int, dp: int, device: torch.device) -> None:
         self.count, self.tp, self.dp, self.device = count, tp, dp, device
         self.tokens = 0  # on this rank, since the last optimizer step, for losses this rank computed
+        self.step_tokens = 1  # behind the loss of the micro-step in flight (its backward weighs the mean by it)
 
     def add(self, batch: Any) -> int:
         n = int(self.count(batch))
         self.tokens += n
+        self.step_tokens = n
         return n
 
     @torch.no_grad()

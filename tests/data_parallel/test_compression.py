@@ -132,7 +132,7 @@ def test_yaml_config_builds_a_compressing_strategy() -> None:
     from lightning_llmpar.cli import main
 
     cli = main(["--config", str(ROOT / "examples/configs/dp2_powersgd.yaml")], run=False)
-    config = cli.trainer.strategy.parallel_config.gradient_compression
+    config = cli.trainer.strategy.options.compression
     assert (config.method, config.rank, config.start_step) == ("powersgd", 4, 20)
 
 

@@ -1,0 +1,144 @@
+"""The set-up, in one place: how LLMParallelStrategy turns the user's module into this rank's part of the model.
+
+``compose`` runs once per module, in the only order that works; each step needs the one before:
+
+1. The block stack the user named is marked, so every later step finds the same one.
+2. Module swaps of the precision plugin (FP8 linears) come before anything is split or sharded.
+3. Token counting and context parallelism: they change what a step computes, not the weights.
+4. The pipeline split: each rank keeps only its stages, so nothing else is built for layers it drops.
+5. ``parallelize``: tensor parallelism -> experts -> activation checkpointing -> compile -> FSDP2 / DDP.
+6. Gradient compression on the data-parallel units FSDP2 made.
+7. Memory for this rank's shards (meta-device init), pretrained weights read per rank, tied copies made equal.
+
+The sharding backend then wraps what ``compose`` returned (see ``data_parallel.backend``); the strategy only
+calls the two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_llmpar.activation_checkpointing.policy import ActivationCheckpointing
+from lightning_llmpar.checkpointing.hf import load_hf_checkpoint
+from lightning_llmpar.checkpointing.litgpt import load_litgpt_checkpoint
+from lightning_llmpar.context_parallel import ContextParallel, apply_context_parallel
+from lightning_llmpar.data_parallel.compression.hooks import GradientCompression, apply_gradient_compression
+from lightning_llmpar.layout import ParallelLayout
+from lightning_llmpar.modeling.materialize import materialize
+from lightning_llmpar.modeling.structure import mark_block_stack
+from lightning_llmpar.modeling.ties import find_tied_weights
+from lightning_llmpar.parallelize import ParallelConfig, Parallelized, parallelize
+from lightning_llmpar.pipeline.runner import PipelineRunner
+from lightning_llmpar.pipeline.setup import build_pipeline
+from lightning_llmpar.strategies.options import StrategyOptions
+from lightning_llmpar.training.loss_normalization import TokenNormalizer
+
+__all__ = ["Composed", "SetupContext", "compose", "composed_before", "parallel_config"]
+
+_DONE = "_llmpar_composed"  # on the LightningModule: what compose made of it
+
+
+@dataclass(frozen=True)
+class SetupContext:
+    """What the set-up reads, fixed before it starts: the layout and its mesh, the strategy's validated options,
+    this rank's device, the precision plugin, and what the Trainer contributes."""
+
+    layout: ParallelLayout
+    mesh: DeviceMesh
+    options: StrategyOptions
+    device: torch.device
+    precision: Precision
+    checkpointing: ActivationCheckpointing | None = None
+    # The user's training step on one sample, for the pipeline split check (None: no check).
+    split_check: Callable[[], Any] | None = None
+
+
+@dataclass
+class Composed:
+    """What the set-up left behind for the steps: the pipeline runner, what was parallelized (data-parallel units,
+    packings, experts), compression, context parallelism and token counting."""
+
+    layout: ParallelLayout
+    config: ParallelConfig
+    parallelized: Parallelized = field(default_factory=Parallelized)
+    runner: PipelineRunner | None = None
+    compression: GradientCompression | None = None
+    context_parallel: ContextParallel | None = None
+    tokens: TokenNormalizer | None = None
+
+    def aliases(self) -> dict[str, str]:
+        """Copies of tied weights on pipeline stages: local name -> the name one process gives the weight."""
+        ties = self.runner.ties if self.runner is not None else None
+        return ties.aliases() if ties is not None else {}
+
+
+def parallel_config(options: StrategyOptions, precision: Precision) -> ParallelConfig:
+    """The per-technique options, with what the precision plugin decides (its FSDP2 mixed-precision policy, whether
+    it needs FSDP2 even on one rank, whether it is plain fp32) filled in before the config is built."""
+    policy = precision.mp_policy() if hasattr(precision, "mp_policy") else None
+    plain = policy is None and getattr(precision, "compute_dtype", torch.float32) in (torch.float32, torch.float64)
+    return ParallelConfig(
+        sequence_parallel=options.sequence_parallel, tp_plan=dict(options.tp_plan), cpu_offload=options.cpu_offload,
+        mp_policy=policy, always_shard=bool(getattr(precision, "needs_sharding_wrapper", False)),
+        plain_precision=plain, gradient_compression=options.compression,
+        expert_capacity_factor=options.expert_capacity_factor, compile=options.compile,
+    )
+
+
+def composed_before(module: nn.Module, layout: ParallelLayout) -> Composed | None:
+    """What an earlier ``compose`` made of ``module`` (fit, then validate/test/predict on the same module)."""
+    done: Composed | None = getattr(module, _DONE, None)
+    if done is not None and done.layout != layout:
+        raise ValueError(
+            f"This LightningModule was already parallelized as {done.layout}; it cannot be re-parallelized as"
+            f" {layout}. Build a new module, or load a checkpoint into a fresh one."
+        )
+    return done
+
+
+def compose(module: nn.Module, ctx: SetupContext) -> Composed:
+    """Parallelize ``module`` in place for this rank (the steps and their order are in the module docstring)."""
+    options, layout, mesh = ctx.options, ctx.layout, ctx.mesh
+    if options.block_stack is not None:
+        mark_block_stack(module, options.block_stack)
+    if hasattr(ctx.precision, "convert_before_parallelism"):
+        ctx.precision.convert_before_parallelism(module)
+    done = Composed(layout, parallel_config(options, ctx.precision))
+    if options.count_tokens is not None:
+        # Context-parallel ranks count the same whole batch (each weighs its own part, see context_parallel).
+        done.tokens = TokenNormalizer(options.count_tokens, layout.tp * layout.cp, layout.dp, ctx.device)
+    if layout.cp > 1:
+        done.context_parallel = apply_context_parallel(module, mesh["cp"], options.context_parallel_mode)
+    stage_roots: list[nn.Module] = []
+    if layout.pp > 1:
+        policy = done.config.mp_policy
+        done.runner = build_pipeline(
+            module, options.pipeline, mesh, ctx.device, done.tokens,
+            policy.param_dtype if policy is not None else None, check=ctx.split_check,
+        )
+        stage_roots = list(done.runner.stage_modules.values())
+        done.runner.context_parallel = done.context_parallel
+        done.runner.scale_loss = getattr(ctx.precision, "scale_loss", None)
+    done.parallelized = parallelize(module, layout, mesh, done.config, stage_roots, ctx.checkpointing)
+    if done.config.gradient_compression is not None:
+        done.compression = apply_gradient_compression(
+            done.parallelized.dp_roots, mesh, layout, done.config.gradient_compression
+        )
+    setattr(module, _DONE, done)
+    # Weights built on the meta device get memory now, for this rank's shards only (ties as they stand after
+    # sharding: to_empty gives every name its own memory).
+    materialize(module, ctx.device, find_tied_weights(module), done.parallelized.packings)
+    if options.hf_checkpoint is not None:
+        load_hf_checkpoint(module, options.hf_checkpoint, done.parallelized.packings, done.aliases())
+    if options.litgpt_checkpoint is not None:
+        load_litgpt_checkpoint(module, options.litgpt_checkpoint, done.parallelized.packings, done.aliases())
+    if done.runner is not None and done.runner.ties is not None:
+        done.runner.ties.make_equal()
+    return done
