@@ -26,8 +26,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_llmpar.activation_checkpointing.policy import ActivationCheckpointing
-from lightning_llmpar.checkpointing.hf import load_hf_checkpoint
-from lightning_llmpar.checkpointing.litgpt import load_litgpt_checkpoint
+from lightning_llmpar.checkpointing.hf_checkpoint import load_hf_checkpoint
+from lightning_llmpar.checkpointing.litgpt_checkpoint import load_litgpt_checkpoint
 from lightning_llmpar.context_parallel import ContextParallel, apply_context_parallel
 from lightning_llmpar.data_parallel.compression.hooks import GradientCompression, apply_gradient_compression
 from lightning_llmpar.layout import ParallelLayout

@@ -183,7 +183,7 @@ def _first_step_grads(module: Any, strategy: Any, distributed: bool) -> dict[str
         grads.setdefault(aliases.get(name, name), grad.detach().float().cpu())
     if not distributed:
         return grads
-    from lightning_llmpar.checkpointing.hf import _gather_stages
+    from lightning_llmpar.checkpointing.hf_checkpoint import _gather_stages
 
     merged = _gather_stages(strategy, grads)
     return merged if dist.get_rank() == 0 else {}

@@ -77,6 +77,9 @@ class ShardingBackend:
     def convert_precision(self, plugin: Precision | None) -> Precision | None:
         return mesh_precision(plugin)
 
+    def check_layout(self, layout: ParallelLayout) -> None:
+        """Refuse a layout this backend cannot run (called once the world size is known, before any process)."""
+
     def setup(self, trainer: pl.Trainer, ctx: BackendContext) -> None:
         raise NotImplementedError
 

@@ -96,6 +96,25 @@ def first_sample(trainer: Any) -> Any:
         return None
 
 
+def step_on_one_sample(trainer: Any, strategy: Any) -> Callable[[], Any] | None:
+    """The user's training step on one sample of the first training batch (for the split check), or None."""
+    batch = first_sample(trainer)
+    if batch is None:
+        return None
+    module = trainer.lightning_module
+
+    def step() -> Any:
+        # The user's step runs a few extra times here; ``trainer.strategy.checking_pipeline_split`` lets it skip
+        # side effects of its own (counters, files).
+        strategy.checking_pipeline_split = True
+        try:
+            return module.training_step(batch, 0)
+        finally:
+            strategy.checking_pipeline_split = False
+
+    return step
+
+
 @dataclass(frozen=True)
 class Reference:
     """One run of the user's step on the whole model: its loss, every block's output, and the stack annotated

@@ -163,3 +163,16 @@ def _agreed(flag: bool, device: torch.device, group: Any) -> bool:
 
 def _few(names: list[str]) -> str:
     return ", ".join(f"'{n}'" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def check_train_batches(runner: PipelineRunner, config: PipelineConfig, sizes: Any) -> None:
+    """Before the first step: every training batch must split into microbatches; the configured count must divide
+    the regular batch, and an epoch's short last batch needs a count the schedule takes."""
+    for size, last in sizes:
+        if size % config.microbatches:
+            raise ValueError(
+                f"Batch size {size} is not divisible by pipeline_microbatches={config.microbatches}. Use a batch size"
+                f" that is a multiple of {config.microbatches}, or change the microbatches."
+            )
+        if last:
+            runner.microbatches_for(last, training=True)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_llmpar.expert_parallel.apply import find_experts
+from lightning_llmpar.expert_parallel.apply_ep import find_experts
 from lightning_llmpar.modeling.structure import count_attr, find_block_stack
 
 __all__ = ["ModelSpec", "model_spec", "spec_from_module"]

@@ -1,28 +1,23 @@
-"""LLMParallelStrategy: a thin Lightning adapter over layout -> mesh -> parallelize -> checkpoint."""
+"""LLMParallelStrategy: a thin Lightning adapter over layout -> mesh -> compose -> backend (checkpoints in checkpoints.py)."""
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_llmpar.activation_checkpointing.policy import ActivationCheckpointing
-from lightning_llmpar.checkpointing import dcp as ckpt
 from lightning_llmpar.compose import Composed, SetupContext, compose, composed_before
 from lightning_llmpar.context_parallel import ContextParallel
 from lightning_llmpar.data_parallel.backend import BackendContext, FSDP2Backend, ShardingBackend
@@ -30,10 +25,11 @@ from lightning_llmpar.data_parallel.deepspeed import DeepSpeedBackend
 from lightning_llmpar.data_parallel.fsdp import no_gradient_sync
 from lightning_llmpar.data_parallel.replicate import ManualBackwardRedirection
 from lightning_llmpar.layout import ParallelLayout
-from lightning_llmpar.pipeline.check import first_sample
+from lightning_llmpar.pipeline.check import step_on_one_sample
 from lightning_llmpar.pipeline.runner import PipelineRunner
+from lightning_llmpar.pipeline.setup import check_train_batches
 from lightning_llmpar.precision.plugins import mesh_precision
-from lightning_llmpar.strategies.mesh import MeshStrategy
+from lightning_llmpar.strategies.checkpoints import CheckpointingStrategy
 from lightning_llmpar.strategies.options import BACKENDS, START_METHODS, validate_options
 from lightning_llmpar.tensor_parallel import Packing
 from lightning_llmpar.training.batches import train_batch_sizes
@@ -43,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LLMParallelStrategy"]
 
-class LLMParallelStrategy(MeshStrategy):
+class LLMParallelStrategy(CheckpointingStrategy):
     """Tensor, data (ZeRO 0-3, hybrid) and sequence parallelism for any LightningModule on one device mesh.
 
     Args:
@@ -192,12 +188,7 @@ class LLMParallelStrategy(MeshStrategy):
         if degrees["data_parallel_replicate"] == "num_nodes":
             degrees["data_parallel_replicate"] = self.num_nodes
         layout = ParallelLayout.from_degrees(world_size, **degrees)
-        if self.options.deepspeed["gradient_compression"] is not None and layout.dp == 1:
-            raise ValueError(
-                f"gradient_compression={self.options.deepspeed['gradient_compression']!r} compresses the data-parallel"
-                f" gradient sync, but this layout has one data-parallel rank ({layout}). Remove it, or use more"
-                " devices for data parallelism."
-            )
+        self._backend.check_layout(layout)
         return layout
 
     @property
@@ -249,25 +240,9 @@ class LLMParallelStrategy(MeshStrategy):
         )
 
     def _split_check(self, trainer: pl.Trainer) -> Callable[[], Any] | None:
-        """The user's training step on one sample of the first training batch, for the pipeline split check."""
         if self.layout.pp == 1 or not self.options.pipeline_check or trainer.state.fn != TrainerFn.FITTING:
             return None
-        batch = first_sample(trainer)
-        if batch is None:
-            return None
-        module = self.lightning_module
-        assert module is not None
-
-        def step() -> Any:
-            # The user's step runs a few extra times here; ``trainer.strategy.checking_pipeline_split`` lets it
-            # skip side effects of its own (counters, files).
-            self.checking_pipeline_split = True
-            try:
-                return module.training_step(batch, 0)
-            finally:
-                self.checking_pipeline_split = False
-
-        return step
+        return step_on_one_sample(trainer, self)
 
     @property
     def context_parallel(self) -> ContextParallel | None:
@@ -345,24 +320,13 @@ class LLMParallelStrategy(MeshStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         if self._runner is not None:
-            # Before the first step: every training batch must split into microbatches; the configured count must
-            # divide the regular batch, and an epoch's short last batch needs a count the schedule takes.
-            for size, last in train_batch_sizes(self.lightning_module.trainer):
-                if size % self.pipeline.microbatches:
-                    raise ValueError(
-                        f"Batch size {size} is not divisible by pipeline_microbatches={self.pipeline.microbatches}. Use a"
-                        f" batch size that is a multiple of {self.pipeline.microbatches}, or change the microbatches."
-                    )
-                if last:
-                    self._runner.microbatches_for(last, training=True)
+            check_train_batches(self._runner, self.pipeline, train_batch_sizes(self.lightning_module.trainer))
 
     @property
     def pipeline_runner(self) -> PipelineRunner | None:
         return self._backend.runner
 
-    @property
-    def _runner(self) -> PipelineRunner | None:
-        return self._backend.runner
+    _runner = pipeline_runner
 
     @property
     def engine(self) -> Any:
@@ -381,7 +345,7 @@ class LLMParallelStrategy(MeshStrategy):
     @property
     def tied_aliases(self) -> dict[str, str]:
         """Copies of tied weights on pipeline stages: local name -> the name one process gives the weight."""
-        return self._aliases()
+        return self._backend.aliases()
 
     @contextmanager
     @override
@@ -390,54 +354,3 @@ class LLMParallelStrategy(MeshStrategy):
         roots = self._composed.parallelized.dp_roots if self._composed is not None else []
         with no_gradient_sync(roots), deferring:
             yield None
-
-    # ----------------------------------------------------------------- checkpoints
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's state dict, sharded (DTensors; only its pipeline stage's entries), as hooks such as
-        ``on_save_checkpoint`` see it. Nothing is gathered; ``save_checkpoint`` writes the shards itself."""
-        assert self.model is not None
-        return get_model_state_dict(self.model)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return {}
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # loaded in `load_checkpoint`, where the sharded model is at hand
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # loaded in `load_checkpoint`
-
-    def _aliases(self) -> dict[str, str]:
-        return self._backend.aliases()
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
-        path = Path(self.broadcast(str(filepath)))
-        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        meta["llmpar_layout"] = str(self.layout)
-        # Lightning leaves optimizer state out of weights-only checkpoints (ModelCheckpoint(save_weights_only=True)).
-        meta["llmpar_optimizer_state"] = "optimizer_states" in checkpoint
-        ckpt.write_atomically(
-            path, lambda staging: self._backend.write_checkpoint(staging, meta), is_rank_zero=self.is_global_zero,
-            barrier=self.barrier,
-        )
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        return self._backend.load_checkpoint(Path(self.broadcast(str(checkpoint_path))), weights_only)
-
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()

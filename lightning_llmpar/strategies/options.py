@@ -6,8 +6,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from lightning_llmpar.checkpointing.hf import check_hf_directory
-from lightning_llmpar.checkpointing.litgpt import check_litgpt_directory
+from lightning_llmpar.checkpointing.hf_checkpoint import check_hf_directory
+from lightning_llmpar.checkpointing.litgpt_checkpoint import check_litgpt_directory
 from lightning_llmpar.context_parallel.attention import MODES as CP_MODES
 from lightning_llmpar.data_parallel.compression.methods import CompressionConfig
 from lightning_llmpar.layout import ZERO_STAGES

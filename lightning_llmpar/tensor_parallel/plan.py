@@ -29,7 +29,7 @@ from lightning_llmpar.tensor_parallel.entries import is_norm as _is_norm
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.entries import linear_like as _linear_like
 from lightning_llmpar.tensor_parallel.entries import own_parameter_message as _own_message
-from lightning_llmpar.tensor_parallel.lightning_attention import plan_lightning
+from lightning_llmpar.tensor_parallel.minimax_attention import plan_minimax_attention
 from lightning_llmpar.tensor_parallel.lora import is_lora, refuse_in_mixer
 from lightning_llmpar.tensor_parallel.mla import LATENT, plan_mla
 from lightning_llmpar.tensor_parallel.moe import MoEPlanning, fused_experts, stacked_experts
@@ -199,7 +199,7 @@ class _Planner(MoEPlanning, AttentionPlanning):
                 return None
         elif full not in self.claimed:
             def plan_mixer() -> Any:
-                return plan_ssm(full, module, self.tp, self.seq) or plan_lightning(full, module, self.tp, self.seq)
+                return plan_ssm(full, module, self.tp, self.seq) or plan_minimax_attention(full, module, self.tp, self.seq)
 
             mixer = plan_mixer()
             if mixer is None:

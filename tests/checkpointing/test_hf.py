@@ -121,7 +121,7 @@ def test_checkpoint_in_a_layout_not_read_per_rank_names_the_fix(tmp_path: Path, 
     import transformers.conversion_mapping as mapping
     from transformers.core_model_loading import Transpose, WeightConverter
 
-    from lightning_llmpar.checkpointing.hf import load_hf_checkpoint
+    from lightning_llmpar.checkpointing.hf_checkpoint import load_hf_checkpoint
     from tests.zoo import HFCausalLM
 
     declared = mapping.extract_weight_conversions_for_model

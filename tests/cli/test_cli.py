@@ -82,7 +82,7 @@ def test_cli_mixture_of_experts_under_expert_parallel_logs_its_routing(tmp_path:
 def tiny_pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The example's "pretrained" Hugging Face checkpoint, written offline as its header says."""
     out = tmp_path_factory.mktemp("hf") / "tiny-qwen3"
-    subprocess.run([sys.executable, "-m", "lightning_llmpar.models.hf", str(ROOT / "examples/hf/tiny-qwen3"), str(out)],
+    subprocess.run([sys.executable, "-m", "lightning_llmpar.models.hf_causal_lm", str(ROOT / "examples/hf/tiny-qwen3"), str(out)],
                    check=True, capture_output=True, timeout=300)
     return out
 
@@ -93,7 +93,7 @@ def tiny_litgpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not HAS_LITGPT:
         pytest.skip("litgpt is not installed (pip install --no-deps litgpt)")
     out = tmp_path_factory.mktemp("litgpt") / "tiny-litgpt"
-    subprocess.run([sys.executable, "-m", "lightning_llmpar.models.litgpt", str(ROOT / "examples/litgpt/tiny-llama"),
+    subprocess.run([sys.executable, "-m", "lightning_llmpar.models.litgpt_module", str(ROOT / "examples/litgpt/tiny-llama"),
                     str(out)], check=True, capture_output=True, timeout=300)
     return out
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_llmpar import LLMParallelStrategy
-from lightning_llmpar.context_parallel.hf import prepare_hf_attention
+from lightning_llmpar.context_parallel.hf_attention import prepare_hf_attention
 from lightning_llmpar.context_parallel.sequence import positions_for, shard_batch
 from tests.distributed import run_ranks
 from tests.zoo import assert_exact, fit_cases
@@ -149,7 +149,7 @@ def test_sequence_mixers_outside_attention_are_refused(name: str, where: str) ->
     # A recurrent scan or a convolution over the sequence would start each rank's part from nothing: wrong results.
     from transformers import AutoModelForCausalLM
 
-    from lightning_llmpar.context_parallel.apply import check_sequence_mixers
+    from lightning_llmpar.context_parallel.apply_cp import check_sequence_mixers
     from tests.zoo import make_config
 
     model = AutoModelForCausalLM.from_config(make_config(name))

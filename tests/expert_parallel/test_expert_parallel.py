@@ -151,7 +151,7 @@ def test_model_without_experts_is_refused() -> None:
 
 
 def test_experts_not_divisible_by_ep_are_refused() -> None:
-    from lightning_llmpar.expert_parallel.apply import check_experts, find_experts
+    from lightning_llmpar.expert_parallel.apply_ep import check_experts, find_experts
 
     model = GPT(GPTConfig(n_layer=1, n_expert=3))
     with pytest.raises(ValueError, match=r"has 3 experts, not divisible by expert_parallel\(2\)"):

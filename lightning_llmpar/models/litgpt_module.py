@@ -5,7 +5,7 @@ with ``LLMParallelStrategy(litgpt_checkpoint=DIR)`` it starts on the meta device
 slices of ``lit_model.pth``. Needs ``litgpt`` (``pip install --no-deps litgpt``: its own pins conflict with
 transformers 5; importing its model needs only torch and lightning).
 
-``python -m lightning_llmpar.models.litgpt CONFIG_DIR OUT_DIR`` writes a randomly initialized LitGPT checkpoint
+``python -m lightning_llmpar.models.litgpt_module CONFIG_DIR OUT_DIR`` writes a randomly initialized LitGPT checkpoint
 of that config (lit_model.pth + model_config.yaml), offline.
 """
 

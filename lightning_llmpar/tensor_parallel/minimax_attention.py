@@ -17,12 +17,12 @@ from lightning_llmpar.modeling.packing import Packing
 from lightning_llmpar.tensor_parallel.param_styles import ShardedNorm
 from lightning_llmpar.tensor_parallel.ssm import MixerParams, MixerPlan, divisible_heads, linears, region
 
-__all__ = ["plan_lightning"]
+__all__ = ["plan_minimax_attention"]
 
 _PARTS = ("qkv_proj", "output_gate", "out_proj")
 
 
-def plan_lightning(full: str, module: nn.Module, tp: int, seq: bool) -> MixerPlan | None:
+def plan_minimax_attention(full: str, module: nn.Module, tp: int, seq: bool) -> MixerPlan | None:
     """The plan of ``module`` if it is a lightning attention (``qkv_proj``, ``output_gate``, ``out_proj`` and a
     ``slope_rate`` decay buffer), else None."""
     heads = getattr(module, "num_attention_heads", None)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_llmpar.context_parallel.attention import context_parallel_attention, enable_device_ring
-from lightning_llmpar.context_parallel.hf import prepare_hf_attention
+from lightning_llmpar.context_parallel.hf_attention import prepare_hf_attention
 from lightning_llmpar.context_parallel.sequence import IGNORE_INDEX, SequenceShard, shard_batch
 
 __all__ = ["ContextParallel", "apply_context_parallel", "check_sequence_mixers"]

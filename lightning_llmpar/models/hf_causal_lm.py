@@ -5,7 +5,7 @@ with ``hf_checkpoint`` it is created on the meta device and each rank loads only
 Batches are dicts (``input_ids``, ``labels``, optional ``attention_mask``: transformers' own loss) or
 ``(inputs, targets)`` pairs such as the bundled corpus yields.
 
-``python -m lightning_llmpar.models.hf CONFIG_DIR OUT_DIR`` writes a randomly initialized "pretrained"
+``python -m lightning_llmpar.models.hf_causal_lm CONFIG_DIR OUT_DIR`` writes a randomly initialized "pretrained"
 checkpoint of that config (config.json + safetensors), offline, to try the workflow without a download.
 """
 

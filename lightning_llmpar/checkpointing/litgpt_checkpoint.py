@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_llmpar.checkpointing.hf import fill_from_files
+from lightning_llmpar.checkpointing.hf_checkpoint import fill_from_files
 from lightning_llmpar.modeling.packing import Packing
 
 __all__ = ["check_litgpt_directory", "load_litgpt_checkpoint"]

@@ -1,0 +1,75 @@
+"""Checkpoints of LLMParallelStrategy: Lightning's checkpoint hooks over the sharding backend's DCP folders.
+
+Nothing is gathered to one rank: every rank writes its own shards (``checkpointing.dcp``), and loading reshards
+into whatever layout the run has now. The hooks through which Lightning would move whole state dicts are no-ops.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.utilities.types import _PATH
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_llmpar.checkpointing import dcp as ckpt
+from lightning_llmpar.data_parallel.backend import ShardingBackend
+from lightning_llmpar.strategies.mesh import MeshStrategy
+
+__all__ = ["CheckpointingStrategy"]
+
+
+class CheckpointingStrategy(MeshStrategy):
+    """Lightning's checkpoint hooks for a strategy whose sharding backend (``_backend``) writes and reads them."""
+
+    _backend: ShardingBackend
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's state dict, sharded (DTensors; only its pipeline stage's entries), as hooks such as
+        ``on_save_checkpoint`` see it. Nothing is gathered; ``save_checkpoint`` writes the shards itself."""
+        assert self.model is not None
+        return get_model_state_dict(self.model)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return {}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in `load_checkpoint`, where the sharded model is at hand
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in `load_checkpoint`
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
+        path = Path(self.broadcast(str(filepath)))
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        meta["llmpar_layout"] = str(self.layout)
+        # Lightning leaves optimizer state out of weights-only checkpoints (ModelCheckpoint(save_weights_only=True)).
+        meta["llmpar_optimizer_state"] = "optimizer_states" in checkpoint
+        ckpt.write_atomically(
+            path, lambda staging: self._backend.write_checkpoint(staging, meta), is_rank_zero=self.is_global_zero,
+            barrier=self.barrier,
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        return self._backend.load_checkpoint(Path(self.broadcast(str(checkpoint_path))), weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
