@@ -32,7 +32,7 @@ class Cluster:
     layer_overhead_us: float = 50.0  # launches and Python per layer, microbatch and pass, whatever its size
     comm_overlap: float = 0.9  # the share of compute FSDP's collectives hide behind (NCCL runs beside kernels)
     link_efficiency: float = 0.8  # NCCL's bus bandwidth over the link's rate (nccl-tests on NVLink 4 and 400G IB)
-    async_tp_overlap: float = 0.5  # the share of tensor-parallel collectives async TP hides behind its matmuls
+    async_tp_overlap: float = 1.0  # how fully async TP's chunked collectives (all but the first) hide behind matmuls
     elementwise_passes: float = 0.0  # >0: norms/RoPE/activations as this many passes over a layer's input;
     #                                  0: bytes counted op by op, eager or compiled (kernels.py)
     device: str = "cuda"

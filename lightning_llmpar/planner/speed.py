@@ -147,7 +147,11 @@ def predict_step_time(spec: ModelSpec, c: Candidate, seq: int, cl: Cluster, p: P
         per_pass = 2 * (_ring(gather, c.tp, tp_bw, cl) + _ring(act, c.tp, tp_bw, cl))
     else:
         per_pass = 2 * _ring(act, c.tp, tp_bw, cl, factor=2)
-    tp_mb = layers * _tp_passes(c.checkpointing) * per_pass * (1 - (cl.async_tp_overlap if c.async_tp else 0.0))
+    passes = _tp_passes(c.checkpointing)
+    hidden = 0.0
+    if c.async_tp:  # forward-shaped patterns (forward and recomputed forward) run in tp chunks; the first is exposed
+        hidden = cl.async_tp_overlap * (passes - 1) / passes * (c.tp - 1) / c.tp
+    tp_mb = layers * passes * per_pass * (1 - hidden)
     kv_bytes = tokens * 2 * max(spec.n_kv_head / c.tp, 1) * spec.hidden / spec.n_head * p.act_bytes
     cp_ring = 3 * (c.cp - 1) * kv_bytes / (cl.link_gbps(cp_span) * 1e9) if c.cp > 1 else 0.0
     cp_mb = layers * max(0.0, cp_ring - 3.5 * lay.attention)
