@@ -1,7 +1,9 @@
 """Step time of a layout, predicted: GEMM rooflines, collective volumes over the link model, and the bubble.
 
-Each GEMM costs the larger of its FLOPs at the reachable fraction of peak and its bytes at memory bandwidth, so
-thin tensor-parallel slices of small models turn memory-bound as they do on a device. Collectives cost a ring's
+Each GEMM costs the larger of its FLOPs at the reachable fraction of peak (by shape and precision) and its bytes at
+memory bandwidth, so thin tensor-parallel slices of small models turn memory-bound as they do on a device;
+attention and the elementwise ops between GEMMs (eager or compiled, with Float8's casts) are costed in
+``kernels.py``. Collectives cost a ring's
 volume over the bandwidth of the link their group spans, plus a start-up latency. Tensor- and expert-parallel
 collectives sit on the critical path; context-parallel ring passes hide behind attention and FSDP's gathers and
 reductions behind compute, up to what compute there is; the pipeline adds its bubble.
