@@ -119,7 +119,8 @@ def _machine() -> Cluster:
     return Cluster(gpus_per_node=2, memory_gb=24, peak_tflops=gemm, fp32_tflops=gemm, fp8_tflops=gemm,
                    hbm_gbps=copy, intra_node_gbps=bandwidth, inter_node_gbps=bandwidth, latency_us=latency,
                    matmul_efficiency=1.0, attention_efficiency=min(1.0, attention / gemm),
-                   layer_overhead_us=overhead, comm_overlap=0.0, device="cpu")  # gloo's threads share the cores
+                   layer_overhead_us=overhead, comm_overlap=0.0, device="cpu",  # gloo's threads share the cores
+                   fp8_matmul_efficiency=1.0, gemm_knee=0.0, link_efficiency=1.0, elementwise_passes=30.0)
 
 
 def _spearman(xs: list[float], ys: list[float]) -> float:

@@ -168,3 +168,45 @@ def test_llmpar_plan_writes_a_config_that_llmpar_fit_trains(tmp_path: Path) -> N
          "--trainer.enable_checkpointing", "false"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert fit.returncode == 0, fit.stdout[-3000:] + fit.stderr[-3000:]
     assert "llmpar: layout" in fit.stdout
+
+
+def test_compile_float8_and_async_tp_move_the_prediction_the_published_way(tmp_path: Path) -> None:
+    from lightning_llmpar.planner.spec import llama_spec
+
+    spec = llama_spec("8b", hidden=4096, layers=32, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256)
+    assert round(spec.params / 1e9, 2) == 8.03
+    kw = dict(global_batch=16, seq=8192, zero_stages=(3,), checkpointing=("full",), max_micro_batch=2)
+    cluster = cluster_from("h100-hbm2e")
+
+    def best(**flags: object) -> float:
+        result = plan(spec, cluster, **kw, **flags)  # type: ignore[arg-type]
+        row = next(r for r in result.layouts if r.candidate.label().startswith("dp8 tp1 pp1"))
+        return row.time.tokens_per_s
+
+    eager, compiled = best(), best(compile=True)
+    tensorwise, rowwise = best(compile=True, float8="tensorwise"), best(compile=True, float8="rowwise")
+    assert eager < compiled < rowwise < tensorwise
+    tp = plan(spec, cluster_from("h100-hbm2e", nodes=2), global_batch=16, seq=8192, zero_stages=(3,),
+              checkpointing=("full",), max_micro_batch=2, compile=True, float8="tensorwise", async_tp=True)
+    assert all(r.candidate.async_tp == (r.candidate.tp > 1) for r in tp.layouts)
+    with pytest.raises(ValueError, match="float8='fp4'"):
+        plan(spec, cluster, global_batch=16, seq=8192, float8="fp4")
+    with pytest.raises(ValueError, match="precision='bf16-mixed'"):
+        plan(spec, cluster, global_batch=16, seq=8192, float8="rowwise", precision="32-true")
+    assert plan(spec, cluster, **kw, precision="fp8").layouts[0].candidate.float8 == "tensorwise"
+
+
+def test_predictions_against_torchtitans_published_h100_runs() -> None:
+    # Every row of torchtitan's 2024-12 H100 tables, one set of constants (docs/planner.md lists the errors).
+    from benchmarks.plan_vs_published import compare
+
+    result = compare()
+    assert len(result["rows"]) == 18 and result["spearman_tps"] >= 0.9
+    assert result["max_abs_memory_error"] <= 0.15
+    # Context parallelism at 4-8 ranks (and 2 at 405B) is the known miss: torch's ring attention of late 2024
+    # ran slower than its FLOPs say. Every other row is within 15%.
+    for row in result["rows"]:
+        if "CP 1" in row["label"] or "CP" not in row["label"] or (row["gpus"] == 8 and "CP 2" in row["label"]):
+            assert abs(row["tps_error"]) <= 0.15, row
+        else:
+            assert 0 < row["tps_error"] <= 0.40, row  # optimistic, never by more than 40%

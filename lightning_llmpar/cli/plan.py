@@ -24,6 +24,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     parser.add_argument("--seq", type=int, required=True, help="tokens per sequence")
     parser.add_argument("--precision", default="bf16-mixed", choices=["32-true", "bf16-mixed", "fp8"])
+    parser.add_argument("--compile", action="store_true", help="blocks compiled (torch.compile): fused elementwise ops")
+    parser.add_argument("--float8", choices=["tensorwise", "rowwise"],
+                        help="the blocks' linears in torchao float8 (tensorwise: FP8 all-gather under FSDP)")
+    parser.add_argument("--async-tp", action="store_true",
+                        help="tensor-parallel collectives overlapped with their matmuls (predicted only)")
     parser.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory left free")
     parser.add_argument("--top", type=int, default=10, help="layouts shown")
     parser.add_argument("--json", action="store_true", help="print the ranked layouts as JSON instead of a table")
@@ -48,6 +53,9 @@ def plan_command(args: list[str]) -> int:
         seq=opts.seq,
         precision=opts.precision,
         headroom=opts.headroom,
+        compile=opts.compile,
+        float8=opts.float8,
+        async_tp=opts.async_tp,
     )
     print(result.to_json(opts.top) if opts.json else result.table(opts.top))
     if opts.write:

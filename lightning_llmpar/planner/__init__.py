@@ -4,7 +4,7 @@ from lightning_llmpar.planner.candidate import Candidate
 from lightning_llmpar.planner.cluster import CLUSTERS, Cluster, cluster_from
 from lightning_llmpar.planner.memory import MemoryEstimate, predict_memory
 from lightning_llmpar.planner.search import Plan, PlannedLayout, plan
-from lightning_llmpar.planner.spec import ModelSpec, model_spec
+from lightning_llmpar.planner.spec import ModelSpec, llama_spec, model_spec
 from lightning_llmpar.planner.speed import TimeEstimate, predict_step_time
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "ModelSpec",
     "Plan",
     "cluster_from",
+    "llama_spec",
     "PlannedLayout",
     "TimeEstimate",
     "model_spec",

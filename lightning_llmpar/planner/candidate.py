@@ -7,8 +7,12 @@ from typing import Literal
 
 __all__ = ["CHECKPOINTING", "Candidate", "in_flight"]
 
-Checkpointing = Literal["none", "selective", "full"]
+# "selective" keeps the attention kernel's output (this project's default save policy); "selective_op" is
+# torchtitan's op policy (every odd matmul's output and the attention output); "every_2" recomputes every
+# second block whole. The search tries the first three; the other two are for describing a given run.
+Checkpointing = Literal["none", "selective", "full", "selective_op", "every_2"]
 CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "selective", "full")
+Float8 = Literal["tensorwise", "rowwise"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,16 @@ class Candidate:
     schedule: str = "none"  # pipeline schedule when pp > 1
     virtual: int = 1  # stages per pipeline rank
     sequence_parallel: bool = True
+    compile: bool = False  # torch.compile per block: fused elementwise ops
+    float8: Float8 | None = None  # torchao float8 linears in the blocks (the head stays bf16)
+    async_tp: bool = False  # tensor-parallel collectives micro-pipelined with their matmuls
+    fsdp_per_block: bool = False  # each block its own FSDP unit under a pipeline too (torchtitan), not the stage
+    loss_parallel: bool = False  # the loss on vocabulary-sharded logits (torchtitan's default under TP)
+
+    @property
+    def float8_all_gather(self) -> bool:
+        """Tensorwise float8 weights are gathered by FSDP in fp8 where FSDP shards over data-parallel ranks."""
+        return self.float8 == "tensorwise" and self.zero > 0 and self.dp // self.dp_replicate > 1
 
     @property
     def world_size(self) -> int:
@@ -60,7 +74,9 @@ class Candidate:
             parts.append(f"ep{self.ep}")
         sched = f" {self.schedule}x{self.virtual}" if self.pp > 1 else ""
         batching = f"mb={self.micro_batch}x{self.microbatches}"
-        return f"{' '.join(parts)} z{self.zero} ac={self.checkpointing} {batching}{sched}"
+        extras = "".join(f" {name}" for name, on in (("compile", self.compile), (f"fp8-{self.float8}", self.float8),
+                                                      ("async-tp", self.async_tp)) if on)
+        return f"{' '.join(parts)} z{self.zero} ac={self.checkpointing} {batching}{sched}{extras}"
 
 
 def in_flight(c: Candidate, rank: int) -> int:

@@ -24,10 +24,17 @@ class Cluster:
     latency_us: float = 10.0
     fp32_tflops: float | None = None
     fp8_tflops: float | None = None
-    matmul_efficiency: float = 0.75  # the fraction of peak large GEMMs reach
-    attention_efficiency: float = 0.5  # the fraction flash attention reaches (its backward is the slow part)
+    # The constants below are chosen from public figures, not fitted to any one run (docs/planner.md says how).
+    matmul_efficiency: float = 0.75  # the fraction of the bf16 peak large cuBLAS GEMMs reach (8192-cubed)
+    fp8_matmul_efficiency: float = 0.65  # the same for fp8 tensorwise-scaled GEMMs (torch._scaled_mm)
+    gemm_knee: float = 128.0  # a GEMM dimension of this size runs at half speed (one 128-wide tile); 0: none
+    attention_efficiency: float = 0.33  # flash attention 2 on Hopper, forward and backward, causal, head dim 128
     layer_overhead_us: float = 50.0  # launches and Python per layer, microbatch and pass, whatever its size
     comm_overlap: float = 0.9  # the share of compute FSDP's collectives hide behind (NCCL runs beside kernels)
+    link_efficiency: float = 0.8  # NCCL's bus bandwidth over the link's rate (nccl-tests on NVLink 4 and 400G IB)
+    async_tp_overlap: float = 1.0  # how fully async TP's chunked collectives (all but the first) hide behind matmuls
+    elementwise_passes: float = 0.0  # >0: norms/RoPE/activations as this many passes over a layer's input;
+    #                                  0: bytes counted op by op, eager or compiled (kernels.py)
     device: str = "cuda"
 
     def __post_init__(self) -> None:
@@ -37,9 +44,10 @@ class Cluster:
         for name in ("memory_gb", "peak_tflops", "hbm_gbps", "intra_node_gbps", "inter_node_gbps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Cluster: `{name}` must be positive, got {getattr(self, name)!r}.")
-        if not 0 <= self.comm_overlap <= 1:
-            raise ValueError(f"Cluster: `comm_overlap` must be in [0, 1], got {self.comm_overlap!r}.")
-        for name in ("matmul_efficiency", "attention_efficiency"):
+        for name in ("comm_overlap", "async_tp_overlap"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"Cluster: `{name}` must be in [0, 1], got {getattr(self, name)!r}.")
+        for name in ("matmul_efficiency", "fp8_matmul_efficiency", "attention_efficiency", "link_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"Cluster: `{name}` must be in (0, 1], got {getattr(self, name)!r}.")
 
@@ -57,20 +65,32 @@ class Cluster:
     def link_gbps(self, span: int) -> float:
         """Bandwidth of a group whose ranks span ``span`` consecutive devices: NVLink-class inside a node, the
         network once it leaves one."""
-        return self.intra_node_gbps if span <= self.gpus_per_node else self.inter_node_gbps
+        rate = self.intra_node_gbps if span <= self.gpus_per_node else self.inter_node_gbps
+        return rate * self.link_efficiency
+
+    @property
+    def caching_allocator(self) -> bool:
+        """Peaks are the CUDA caching allocator's reserved bytes (what `nvidia-smi` and OOMs see)."""
+        return self.device == "cuda"
 
 
 # Dense peaks from the vendors' data sheets (SXM parts); inter-node: one 400 Gb/s NIC per GPU.
 CLUSTERS: dict[str, Cluster] = {
     "h100": Cluster(memory_gb=80, peak_tflops=989, hbm_gbps=3350, intra_node_gbps=450, inter_node_gbps=50),
     "h200": Cluster(memory_gb=141, peak_tflops=989, hbm_gbps=4800, intra_node_gbps=450, inter_node_gbps=50),
+    # torchtitan's published H100s (benchmarks/llama3_h100_202412_torchtitan.md): HBM2e SXM parts, 96 GB at
+    # 2.4 TB/s, 500 W; their peak "between SXM and NVL": the mean of 989 (SXM) and 835 (NVL) dense bf16.
+    # A 500 W cap lowers the clock a dense GEMM sustains: large GEMMs reach less of that peak than at 700 W.
+    "h100-hbm2e": Cluster(memory_gb=96, peak_tflops=912, hbm_gbps=2400, intra_node_gbps=450, inter_node_gbps=50,
+                          matmul_efficiency=0.65, fp8_matmul_efficiency=0.6),
     "a100": Cluster(memory_gb=80, peak_tflops=312, hbm_gbps=2039, intra_node_gbps=300, inter_node_gbps=25,
                     fp32_tflops=156, fp8_tflops=312),
     # One single-thread process per core of this project's 2-core test machine, gloo between them: the figures
     # `python -m benchmarks.plan_bench --part time` measured. gloo's threads share the compute cores: no overlap.
     "cpu": Cluster(gpus_per_node=2, memory_gb=24, peak_tflops=0.087, hbm_gbps=70, intra_node_gbps=1.1,
                    inter_node_gbps=1.1, latency_us=560, fp32_tflops=0.087, fp8_tflops=0.087, matmul_efficiency=1.0,
-                   attention_efficiency=0.37, layer_overhead_us=270, comm_overlap=0.0, device="cpu"),
+                   fp8_matmul_efficiency=1.0, gemm_knee=0.0, attention_efficiency=0.37, layer_overhead_us=270,
+                   comm_overlap=0.0, link_efficiency=1.0, elementwise_passes=30.0, device="cpu"),
 }
 
 

@@ -29,6 +29,8 @@ def strategy_args(c: Candidate) -> dict[str, Any]:
         args["context_parallel"] = c.cp
     if c.ep > 1:
         args["expert_parallel"] = c.ep
+    if c.compile:
+        args["compile"] = True
     return args
 
 
@@ -45,12 +47,16 @@ def fit_config(plan: Plan, row: PlannedLayout) -> str:
     if plan.precision.name == "bf16-mixed":
         trainer["precision"] = "bf16-mixed"
     elif plan.precision.name == "fp8":
-        trainer["plugins"] = [{"class_path": "lightning_llmpar.FP8Precision"}]
+        recipe = c.float8 or "tensorwise"
+        trainer["plugins"] = [{"class_path": "lightning_llmpar.FP8Precision",
+                               "init_args": {"recipe": recipe, "float8_all_gather": recipe == "tensorwise"}}]
     if c.pp == 1 and c.microbatches > 1:
         trainer["accumulate_grad_batches"] = c.microbatches
     if c.checkpointing != "none":
-        trainer["callbacks"] = [{"class_path": "lightning_llmpar.ActivationCheckpointing",
-                                 "init_args": {"mode": c.checkpointing}}]
+        # torchtitan's op policy is nearest to keeping every matmul's output; every 2nd block is every_k.
+        ac = {"selective_op": {"mode": "selective", "save": "attention_and_matmuls"},
+              "every_2": {"mode": "every_k", "every": 2}}.get(c.checkpointing, {"mode": c.checkpointing})
+        trainer["callbacks"] = [{"class_path": "lightning_llmpar.ActivationCheckpointing", "init_args": ac}]
     model = dict(plan.spec.fit_model)
     per_rank = c.micro_batch * (c.microbatches if c.pp > 1 else 1)
     config = {
@@ -69,7 +75,9 @@ def fit_config(plan: Plan, row: PlannedLayout) -> str:
         f"# Layout {c.label()}\n"
         f"# Predicted: peak {m.peak / 2**30:.2f} GiB per device (pipeline rank {m.rank}), step {t.step:.4f} s,"
         f" {t.tokens_per_s:.0f} tokens/s, MFU {t.mfu:.1%}.\n"
-        "# The data section is the bundled corpus; put your own DataModule there with the same batch_size.\n"
+        + ("# Async tensor parallelism is assumed by the prediction; the strategy has no such option.\n"
+           if c.async_tp else "")
+        + "# The data section is the bundled corpus; put your own DataModule there with the same batch_size.\n"
         f"# Run: llmpar fit --config <this file>\n"
     )
     return header + yaml.safe_dump(config, sort_keys=False)

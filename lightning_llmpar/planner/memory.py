@@ -53,6 +53,14 @@ def activation_elements(spec: ModelSpec, c: Candidate, mode: str) -> float:
         return block_input
     if mode == "selective":  # the block's input and the attention kernel's output and log-sum-exp
         return block_input + (h + a) / tp
+    if mode == "every_2":
+        return (activation_elements(spec, c, "none") + block_input) / 2
+    if mode == "selective_op":
+        # torchtitan's op policy keeps every odd matmul's output (q, v, gate, down) and attention's. Compiled,
+        # the partitioner keeps only what backward reads: not the down projection's output (a residual's input).
+        kv = max(spec.n_kv_head / tp, 1) * h / a
+        down = 0.0 if c.compile else (h / tp if sp else h)
+        return block_input + h / tp + kv + (h + 2 * a) / tp + f / tp + down
     norms = 2 * ((2 * h + 1) / tp + h) if sp else 2 * (3 * h + 1)
     attention = (5 * h + a) / tp
     if spec.n_expert:
@@ -76,7 +84,7 @@ def _local_params(spec: ModelSpec, c: Candidate, rank: int) -> tuple[float, floa
         head = spec.embed_params if (spec.tied and c.pp > 1) else spec.head_params  # a tied head is a copy
         ends += head / c.tp + spec.other_params
     # Blocks are FSDP units without a pipeline (grouped up to 25 MiB at ZeRO 0-2); with one, each stage is a unit.
-    if c.pp > 1:
+    if c.pp > 1 and not c.fsdp_per_block:
         unit = total / c.virtual + ends
     elif c.zero < 3:
         unit = block * min(layers, max(1, BUCKET_BYTES // (block * FP32)))
@@ -86,21 +94,22 @@ def _local_params(spec: ModelSpec, c: Candidate, rank: int) -> tuple[float, floa
 
 
 def predict_memory(
-    spec: ModelSpec, c: Candidate, seq: int, precision: Precision
+    spec: ModelSpec, c: Candidate, seq: int, precision: Precision, cuda: bool = False
 ) -> MemoryEstimate:
-    """The peak bytes of the fullest pipeline rank for ``c`` training ``spec`` on sequences of ``seq`` tokens."""
-    return max((_rank_memory(spec, c, seq, precision, r) for r in range(c.pp)), key=lambda m: m.peak)
+    """The peak bytes of the fullest pipeline rank for ``c`` training ``spec`` on sequences of ``seq`` tokens;
+    ``cuda``: the caching allocator's reserved bytes (see ``_reserved``), else the bytes in use."""
+    return max((_rank_memory(spec, c, seq, precision, r, cuda) for r in range(c.pp)), key=lambda m: m.peak)
 
 
-def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: int) -> MemoryEstimate:
+def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: int, cuda: bool) -> MemoryEstimate:
     local, unit = _local_params(spec, c, rank)
     ddp = c.replicates(p.name)
     fsdp = c.fsdp and not ddp
     sharded = local / c.shard if fsdp else local
     master = sharded * FP32
     gathered = 0.0
-    if fsdp:  # FSDP2 computes with a gathered copy, also on a size-1 shard
-        gathered = (2 * unit if c.zero == 3 else local) * p.param_bytes
+    if fsdp:  # FSDP2 computes with a gathered copy, also on a size-1 shard (float8 weights gathered in fp8)
+        gathered = (2 * unit if c.zero == 3 else local) * (1 if c.float8_all_gather else p.param_bytes)
     grads = sharded * FP32
     reduce_buffer = unit * FP32 if fsdp else 0.0  # one unit's unsharded gradient before its reduction
     optimizer = sharded * ADAM_STATE_BYTES
@@ -108,8 +117,8 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     # only those of earlier microbatches (pipeline, accumulation) are. DDP's buckets, which the gradients are views
     # of, are held throughout.
     grads_in_backward = grads if (c.pp > 1 or c.microbatches > 1 or ddp) else 0.0
-    if fsdp and c.zero and c.pp == 1 and c.microbatches > 1:
-        grads_in_backward = local * FP32  # FSDP2 accumulates unsynced gradients unsharded
+    if fsdp and c.zero and c.microbatches > 1:
+        grads_in_backward = local * FP32  # FSDP2 accumulates unsynced gradients unsharded (pipeline stages too)
 
     tokens = c.micro_batch * seq / c.cp
     layer = lambda mode: tokens * activation_elements(spec, c, mode) * p.act_bytes  # noqa: E731
@@ -125,19 +134,28 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     if c.pp > 1:
         working += layer("none")
     last = rank == c.pp - 1
-    logits = 2 * tokens * spec.vocab * FP32 + 3 * tokens * spec.hidden * p.act_bytes if last else 0.0
+    # The loss's fp32 logits: log-softmax's output and, on a GPU, the two fp32 gradients of its backward (a
+    # sampled host peak sees them one at a time). Sharded by vocabulary under a tensor-parallel loss.
+    vocab = spec.vocab / c.tp if c.loss_parallel else spec.vocab
+    copies = 3 if cuda else 2
+    logits = copies * tokens * vocab * FP32 + 3 * tokens * spec.hidden * p.act_bytes if last else 0.0
     buffers = 0.0
     if c.pp > 1:
         stages = [rank + k * c.pp for k in range(c.virtual)]
         receives = sum((s > 0) + (s < c.pp * c.virtual - 1) for s in stages)  # activations in, gradients in
-        hidden_io = tokens * spec.hidden * p.act_bytes
+        # A stage boundary under sequence parallelism carries each rank's sequence shard.
+        hidden_io = tokens * spec.hidden * p.act_bytes / (c.tp if c.sequence_parallel else 1)
         buffers = receives * c.microbatches * hidden_io + 2 * in_flight(c, rank) * hidden_io
     activations = kept + working
     # Backward frees kept activations as it makes gradients: its peak is at one end or the other.
     # The reduction's buffer (one unit's gradient) exists only in backward.
     base = master + gathered + optimizer + buffers
-    during = max(base + max(grads, grads_in_backward) + kept + logits,
-                 base + reduce_buffer + working + max(kept + logits + grads_in_backward, grads))
+    forward_end = base + max(grads, grads_in_backward) + kept + logits
+    if cuda and logits:
+        # The caching allocator keeps the segments a layer's forward temporaries were carved from; the loss's
+        # logits are larger than any of them, so they take new segments and the cached ones stay reserved.
+        forward_end += working
+    during = max(forward_end, base + reduce_buffer + working + max(kept + logits + grads_in_backward, grads))
     # AdamW steps in place: LLMParallelStrategy runs torch's fused kernel (fused_optimizer=True), which, unlike
     # torch's GPU default foreach, makes no temporary as large as a moment.
     step = master + grads + optimizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -158,14 +158,27 @@ def plan(
     seq: int,
     precision: str = "bf16-mixed",
     headroom: float = 0.1,
+    compile: bool = False,
+    float8: str | None = None,
+    async_tp: bool = False,
     **search: Any,
 ) -> Plan:
     """Predict every layout of ``model`` on ``cluster`` and rank them (see ``candidates`` for ``search``).
 
-    A layout fits when its predicted peak leaves ``headroom`` of the device's memory free (the allocator's
-    fragmentation, the runtime's own buffers)."""
+    ``compile``: blocks compiled with torch.compile; ``float8``: the blocks' linears in torchao float8
+    ('tensorwise', with FP8 all-gather under FSDP, or 'rowwise'; ``precision='fp8'`` means 'tensorwise');
+    ``async_tp``: tensor-parallel collectives overlapped with their matmuls. A layout fits when its predicted
+    peak leaves ``headroom`` of the device's memory free (the runtime's own buffers)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: choose one of {sorted(PRECISIONS)}.")
+    if float8 not in (None, "tensorwise", "rowwise"):
+        raise ValueError(f"float8={float8!r}: choose 'tensorwise', 'rowwise' or None.")
+    if float8 and precision == "32-true":
+        raise ValueError(f"float8={float8!r} runs with bf16 around the fp8 matmuls: use precision='bf16-mixed'.")
+    if precision == "fp8":
+        float8 = float8 or "tensorwise"
+    elif float8:
+        precision = "fp8"
     for name, value in (("global_batch", global_batch), ("seq", seq)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
@@ -177,7 +190,8 @@ def plan(
     budget = cluster.memory_gb * 1e9 * (1 - headroom)
     rows = []
     for c in candidates(spec, cluster, global_batch, seq, **search):
-        memory = predict_memory(spec, c, seq, p)
+        c = replace(c, compile=compile, float8=float8, async_tp=async_tp and c.tp > 1)  # type: ignore[arg-type]
+        memory = predict_memory(spec, c, seq, p, cluster.caching_allocator)
         rows.append(PlannedLayout(c, memory, predict_step_time(spec, c, seq, cluster, p), memory.peak <= budget))
     if not rows:
         raise ValueError(

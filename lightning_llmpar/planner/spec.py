@@ -16,7 +16,7 @@ from torch import nn
 from lightning_llmpar.expert_parallel.apply_ep import find_experts
 from lightning_llmpar.modeling.structure import count_attr, find_block_stack
 
-__all__ = ["ModelSpec", "model_spec", "spec_from_module"]
+__all__ = ["ModelSpec", "llama_spec", "model_spec", "spec_from_module"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,18 @@ def spec_from_module(model: nn.Module, dims: dict[str, Any], fit_model: dict[str
         block_expert_params=per_block(lambda p: id(p) in expert_ids),
         fit_model=fit_model, name=name,
     )
+
+
+def llama_spec(name: str, hidden: int, layers: int, heads: int, kv_heads: int, ffn_hidden: int, vocab: int,
+               tied: bool = False, **_: Any) -> ModelSpec:
+    """A Llama-architecture spec from its published dimensions, counted by formula (no model is built): per
+    block q, k, v, o, gate, up, down and two RMSNorm weights; an embedding, a final norm and a head."""
+    kv = kv_heads * hidden // heads
+    matrix = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn_hidden
+    return ModelSpec(n_layer=layers, hidden=hidden, n_head=heads, n_kv_head=kv_heads, ffn_hidden=ffn_hidden,
+                     vocab=vocab, block_params=matrix + 2 * hidden, block_matrix_params=matrix,
+                     embed_params=vocab * hidden, head_params=0 if tied else vocab * hidden, other_params=hidden,
+                     tied=tied, name=name)
 
 
 def _example_gpt(kwargs: dict[str, Any]) -> ModelSpec:

@@ -1,7 +1,9 @@
 """Step time of a layout, predicted: GEMM rooflines, collective volumes over the link model, and the bubble.
 
-Each GEMM costs the larger of its FLOPs at the reachable fraction of peak and its bytes at memory bandwidth, so
-thin tensor-parallel slices of small models turn memory-bound as they do on a device. Collectives cost a ring's
+Each GEMM costs the larger of its FLOPs at the reachable fraction of peak (by shape and precision) and its bytes at
+memory bandwidth, so thin tensor-parallel slices of small models turn memory-bound as they do on a device;
+attention and the elementwise ops between GEMMs (eager or compiled, with Float8's casts) are costed in
+``kernels.py``. Collectives cost a ring's
 volume over the bandwidth of the link their group spans, plus a start-up latency. Tensor- and expert-parallel
 collectives sit on the critical path; context-parallel ring passes hide behind attention and FSDP's gathers and
 reductions behind compute, up to what compute there is; the pipeline adds its bubble.
@@ -13,6 +15,15 @@ from dataclasses import dataclass
 
 from lightning_llmpar.planner.candidate import Candidate
 from lightning_llmpar.planner.cluster import Cluster, Precision
+from lightning_llmpar.planner.kernels import (
+    BACKWARD_BYTES,
+    CP_MERGE,
+    attention_flops,
+    elementwise_bytes,
+    float8_cast_bytes,
+    gemm_seconds,
+    layer_gemms,
+)
 from lightning_llmpar.planner.spec import ModelSpec
 
 __all__ = ["TimeEstimate", "model_flops_per_token", "predict_step_time"]
@@ -45,10 +56,12 @@ def model_flops_per_token(spec: ModelSpec, seq: int) -> float:
     return 6.0 * (spec.active_matrix_params_per_token + head) + 12.0 * spec.n_layer * spec.hidden * seq
 
 
-def _gemm(m: float, k: float, n: float, cl: Cluster, p: Precision) -> float:
-    flops = 2.0 * m * k * n / (cl.tflops(p) * 1e12 * cl.matmul_efficiency)
-    traffic = (m * k + k * n + m * n) * p.act_bytes / (cl.hbm_gbps * 1e9)
-    return max(flops, traffic)
+def _bf16_rate(cl: Cluster, p: Precision) -> float:
+    return cl.peak_tflops if p.name == "fp8" else cl.tflops(p)  # what is not a float8 linear runs in bf16
+
+
+def _gemm(m: float, k: float, n: float, cl: Cluster, p: Precision, fp8: str | None = None) -> float:
+    return gemm_seconds(m, k, n, cl, p, fp8)
 
 
 def _ring(volume: float, ranks: int, gbps: float, cl: Cluster, factor: float = 1.0) -> float:
@@ -58,48 +71,92 @@ def _ring(volume: float, ranks: int, gbps: float, cl: Cluster, factor: float = 1
     return factor * (ranks - 1) / ranks * volume / (gbps * 1e9) + cl.latency_us * 1e-6
 
 
-def _layer_forward(
-    spec: ModelSpec, c: Candidate, tokens: float, seq: int, cl: Cluster, p: Precision
-) -> tuple[float, float]:
-    """One layer's forward on one microbatch: (all of it, its attention kernel alone)."""
-    h, tp = spec.hidden, c.tp
-    head_dim = h / spec.n_head
-    q, kv = h / tp, max(spec.n_kv_head / tp, 1) * head_dim  # fewer key/value heads than ranks: one on each
-    t = _gemm(tokens, h, q, cl, p) + 2 * _gemm(tokens, h, kv, cl, p) + _gemm(tokens, q, h, cl, p)
-    f = spec.ffn_hidden / tp
+@dataclass(frozen=True)
+class _Layer:
+    """One layer on one microbatch, forward: GEMMs, attention kernel, elementwise ops (seconds); and what
+    backward and each checkpointing mode's recomputation add."""
+
+    gemm: float
+    attention: float
+    elementwise: float
+    overhead: float
+    unsaved_gemm: float  # the matmuls torchtitan's op policy recomputes (every second one)
+
+    @property
+    def forward(self) -> float:
+        return self.gemm + self.attention + self.elementwise + self.overhead
+
+    def recompute(self, mode: str) -> float:
+        if mode == "selective_op":
+            return self.unsaved_gemm + self.elementwise + self.overhead
+        return {"none": 0.0, "selective": self.forward - self.attention, "full": self.forward,
+                "every_2": self.forward / 2}[mode]
+
+    def train(self, mode: str, backward_bytes: float) -> float:
+        # Backward: two GEMMs per forward GEMM; flash attention's backward is 2.5x its forward FLOPs at a lower
+        # rate (3.5x the time); elementwise backward moves ``backward_bytes`` x forward's bytes.
+        return (3 * self.gemm + 4.5 * self.attention + (1 + backward_bytes) * self.elementwise + 3 * self.overhead
+                + self.recompute(mode))
+
+
+def _layer(spec: ModelSpec, c: Candidate, tokens: float, seq: int, cl: Cluster, p: Precision) -> _Layer:
+    h = spec.hidden
+    fp8 = c.float8
+    shapes = layer_gemms(spec, c)
     if spec.n_expert:  # each local expert multiplies its share of the routed tokens
         local = spec.n_expert / c.ep
         per_expert = tokens * spec.top_k / spec.n_expert * c.ep
-        t += local * (2 * _gemm(per_expert, h, f, cl, p) + _gemm(per_expert, f, h, cl, p))
-        t += _gemm(tokens, h, spec.n_expert, cl, p)
+        mlp = [local * _gemm(per_expert, k, n, cl, p, fp8) for k, n in shapes[4:]]
+        mlp.append(_gemm(tokens, h, spec.n_expert, cl, p))
     else:
-        t += 2 * _gemm(tokens, h, f, cl, p) + _gemm(tokens, f, h, cl, p)
-    # Causal attention: half of QK^T and PV over the whole sequence (context parallel ranks see all keys).
-    attention = 2.0 * tokens * seq * h / tp / (cl.tflops(p) * 1e12 * cl.attention_efficiency)
-    elementwise = 30.0 * tokens * h * p.act_bytes / (cl.hbm_gbps * 1e9)  # norms, RoPE, SiLU, residuals
-    return t + attention + elementwise + cl.layer_overhead_us * 1e-6, attention
+        mlp = [_gemm(tokens, k, n, cl, p, fp8) for k, n in shapes[4:]]
+    times = [_gemm(tokens, k, n, cl, p, fp8) for k, n in shapes[:4]] + mlp
+    attention = attention_flops(spec, c, tokens, seq) / (_bf16_rate(cl, p) * 1e12 * cl.attention_efficiency)
+    if cl.elementwise_passes:  # norms, RoPE, SiLU, residuals as passes over the layer's input
+        moved = cl.elementwise_passes * tokens * h * p.act_bytes
+    else:
+        moved = elementwise_bytes(spec, c) * tokens * p.act_bytes / 2
+        moved += float8_cast_bytes(spec, c, tokens)[0]
+        moved += CP_MERGE * (c.cp - 1) * tokens * h / c.tp
+    return _Layer(gemm=sum(times), attention=attention, elementwise=moved / (cl.hbm_gbps * 1e9),
+                  overhead=cl.layer_overhead_us * 1e-6, unsaved_gemm=times[1] + times[3] + times[5])
+
+
+def _tp_passes(mode: str) -> float:
+    """Forward passes whose tensor-parallel collectives run: forward, backward, and the recomputation (torchtitan's
+    op policy saves reduce-scatter outputs, so only the all-gathers run again)."""
+    return 2 + {"none": 0.0, "selective": 1.0, "full": 1.0, "selective_op": 0.5, "every_2": 0.5}[mode]
 
 
 def predict_step_time(spec: ModelSpec, c: Candidate, seq: int, cl: Cluster, p: Precision) -> TimeEstimate:
     tokens = c.micro_batch * seq / c.cp
     layers = -(-spec.n_layer // c.pp)
-    forward, attention = _layer_forward(spec, c, tokens, seq, cl, p)
-    recompute = {"none": 0.0, "selective": forward - attention, "full": forward}[c.checkpointing]
-    layer = 3 * forward + 1.5 * attention + recompute  # backward: two GEMMs per forward GEMM, flash's 2.5x
+    lay = _layer(spec, c, tokens, seq, cl, p)
+    backward_bytes = 2.0 if cl.elementwise_passes else BACKWARD_BYTES
+    layer = lay.train(c.checkpointing, backward_bytes)
+    if c.float8 and not cl.elementwise_passes:
+        layer += float8_cast_bytes(spec, c, tokens)[1] / (cl.hbm_gbps * 1e9)
     head = 3 * _gemm(tokens, spec.hidden, spec.vocab / c.tp, cl, p) + 8 * tokens * spec.vocab * 4 / (cl.hbm_gbps * 1e9)
     compute_mb = layers * layer + head  # the last stage, which also runs the head and the loss
 
     act = tokens * spec.hidden * p.act_bytes
     tp_span, cp_span = c.tp, c.tp * c.cp
     tp_bw = cl.link_gbps(tp_span)
-    passes = 4 + (2 if c.checkpointing == "full" else 0)  # forward, backward, and the recomputed forward
-    if c.sequence_parallel:  # an all-gather and a reduce-scatter around attention and around the MLP
-        tp_mb = layers * passes * _ring(act, c.tp, tp_bw, cl)
+    # Per pass: an all-gather and a reduce-scatter around attention and around the MLP (sequence parallel), or an
+    # all-reduce after each; float8 linears gather their inputs in fp8.
+    gather = act / p.act_bytes if c.float8 else act
+    if c.sequence_parallel:
+        per_pass = 2 * (_ring(gather, c.tp, tp_bw, cl) + _ring(act, c.tp, tp_bw, cl))
     else:
-        tp_mb = layers * passes / 2 * _ring(act, c.tp, tp_bw, cl, factor=2)
+        per_pass = 2 * _ring(act, c.tp, tp_bw, cl, factor=2)
+    passes = _tp_passes(c.checkpointing)
+    hidden = 0.0
+    if c.async_tp:  # forward-shaped patterns (forward and recomputed forward) run in tp chunks; the first is exposed
+        hidden = cl.async_tp_overlap * (passes - 1) / passes * (c.tp - 1) / c.tp
+    tp_mb = layers * passes * per_pass * (1 - hidden)
     kv_bytes = tokens * 2 * max(spec.n_kv_head / c.tp, 1) * spec.hidden / spec.n_head * p.act_bytes
     cp_ring = 3 * (c.cp - 1) * kv_bytes / (cl.link_gbps(cp_span) * 1e9) if c.cp > 1 else 0.0
-    cp_mb = layers * max(0.0, cp_ring - 3.5 * attention)
+    cp_mb = layers * max(0.0, cp_ring - 3.5 * lay.attention)
     ep_mb = 0.0
     if spec.n_expert and c.ep > 1:
         routed = tokens * spec.top_k * spec.hidden * p.act_bytes
@@ -142,12 +199,13 @@ def _data_parallel(spec: ModelSpec, c: Candidate, cl: Cluster, p: Precision, lay
     replicas = c.dp_replicate if c.zero else c.dp
     inner = cl.link_gbps(shard_ranks * c.tp)
     outer = cl.link_gbps(c.dp * c.cp * c.tp)
+    param_bytes = 1 if c.float8_all_gather else p.param_bytes  # float8 weights gathered in fp8
     t = 0.0
     if c.zero == 0:
         t += _ring(local * p.reduce_bytes, replicas * c.cp, outer, cl, factor=2)
     else:
         gathers = 2 * c.microbatches if c.zero == 3 else 1
-        t += gathers * _ring(local * p.param_bytes, shard_ranks, inner, cl)
+        t += gathers * _ring(local * param_bytes, shard_ranks, inner, cl)
         t += _ring(local * p.reduce_bytes, shard_ranks, inner, cl)
         if replicas > 1:
             t += _ring(local / shard_ranks * p.reduce_bytes, replicas, outer, cl, factor=2)

@@ -1,0 +1,3 @@
+from benchmarks.gpu.run import main
+
+main()

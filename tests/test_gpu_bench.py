@@ -1,0 +1,58 @@
+"""`python -m benchmarks.gpu`: its CPU dry run (the same sections on a tiny model) and, on a GPU, the real run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = {"exactness_fp32", "bf16_1b", "bf16_1b_compile", "bf16_d4096_compile", "fp8_tensorwise_d4096_compile",
+            "fp8_rowwise_d4096_compile", "bf16_1b_ac_full", "bf16_1b_ac_every_k", "bf16_1b_ac_selective",
+            "bf16_1b_ac_selective_matmuls", "bf16_1b_ac_budget"}
+
+
+def _run(*args: str, timeout: int) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu", *args], check=False, cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_dry_run_exercises_every_section_on_cpu(tmp_path: Path) -> None:
+    real = ROOT / "benchmarks/results/gpu.json"
+    before = real.stat().st_mtime_ns if real.exists() else None
+    out = tmp_path / "gpu.json"
+    done = _run("--dry-run", "--out", str(out), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["dry_run"] and set(report["sections"]) == SECTIONS and set(report["seconds"]) == SECTIONS
+    assert report["summary"]["failed_sections"] == [], report["summary"]["failed_sections"]
+    exact = report["sections"]["exactness_fp32"]
+    assert exact["passed"] and exact["max_loss_diff"] <= 1e-5 and len(exact["losses_ours"]) == exact["steps"]
+    fp8 = report["sections"]["fp8_tensorwise_d4096_compile"]
+    assert fp8["converted_fp8_linears"] == 7 and report["sections"]["bf16_d4096_compile"]["converted_fp8_linears"] == 0
+    for name in SECTIONS - {"exactness_fp32"}:
+        run = report["sections"][name]
+        assert run["tokens_per_s"] > 0 and run["steps"] == 2, name
+        modelled = not name.endswith(("selective_matmuls", "budget"))
+        assert (run["planner"] is not None) == modelled, name
+    assert report["sections"]["bf16_1b_ac_budget"]["checkpointed_blocks"]  # the budget chose per block
+    assert (real.stat().st_mtime_ns if real.exists() else None) == before  # a dry run never writes the real file
+    refused = _run("--dry-run", "--out", str(real), timeout=120)
+    assert refused.returncode != 0 and "never writes" in refused.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_benchmark_runs_on_one_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    done = _run("--out", str(out), timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["sections"]["exactness_fp32"]["passed"]
+    assert report["summary"]["bf16_1b_mfu"] and report["summary"]["planner_vs_measured"]
