@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import yaml
 
 from lightning_llmpar.planner.candidate import Candidate
+from lightning_llmpar.planner.cluster import Cluster, Precision
+from lightning_llmpar.planner.memory import MemoryEstimate
+from lightning_llmpar.planner.spec import ModelSpec
+from lightning_llmpar.planner.speed import TimeEstimate
 
-if TYPE_CHECKING:
-    from lightning_llmpar.planner.search import Plan, PlannedLayout
+
+# What a config is written from: a plan (search.Plan) and one of its rows (search.PlannedLayout), named by the
+# fields read here so that this module needs nothing from the search that calls it.
+class Plan(Protocol):
+    spec: ModelSpec
+    cluster: Cluster
+    precision: Precision
+    global_batch: int
+    seq: int
+
+
+class PlannedLayout(Protocol):
+    candidate: Candidate
+    time: TimeEstimate
+    memory: MemoryEstimate
 
 __all__ = ["fit_config", "strategy_args"]
 
