@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["IGNORE_INDEX", "SequenceShard", "positions_for", "shard_batch"]
+__all__ = ["IGNORE_INDEX", "SHIFT_IN_STEP", "SequenceShard", "positions_for", "shard_batch"]
 
 IGNORE_INDEX = -100
 
@@ -79,12 +79,43 @@ def _check_right_padding(mask: Tensor) -> None:
         )
 
 
+# Sequence-shaped entries of a dict batch that are neither inputs nor targets.
+_NOT_TOKENS = ("attention_mask", "position_ids", "document_ids", "seq_lens", "cu_seqlens")
+
+SHIFT_IN_STEP = (
+    "A step that shifts a sequence itself (`logits = model(x[:, :-1]); loss = cross_entropy(logits, x[:, 1:])`, or"
+    " `cross_entropy(logits[:, :-1], x[:, 1:])`) cannot run on a rank's part of the sequence: the slices would drop"
+    " this rank's last token instead of the sequence's, and pair tokens with other ranks' targets. Put inputs and"
+    " shifted targets in the batch, cut alike: yield (x[:-1], x[1:]) pairs and compute `cross_entropy(model(inputs),"
+    " targets)`; or dicts with 'input_ids' and 'labels' for a transformers model (it shifts labels itself, and"
+    " context parallelism shifts them before the cut)."
+)
+
+
+def _check_targets(batch: Any, seq_len: int) -> None:
+    """Refuse a training batch holding one token sequence and no targets: its step can only shift it itself."""
+    if isinstance(batch, dict):
+        items = [v for k, v in batch.items() if k not in _NOT_TOKENS]
+    else:
+        items = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+    sequences = [x for x in items if isinstance(x, Tensor) and x.ndim >= 2 and x.shape[1] == seq_len]
+    if len(sequences) < 2 and not (isinstance(batch, dict) and "labels" in batch):
+        raise ValueError(
+            f"context_parallel cuts every sequence of the batch before the training step, but this batch holds one"
+            f" token sequence (length {seq_len}) and no targets, so the step must derive the targets from it. "
+            + SHIFT_IN_STEP
+        )
+
+
 def shard_batch(batch: Any, cp: int, rank: int, mode: str) -> tuple[Any, SequenceShard | None]:
     """Cut every tensor of ``batch`` whose dimension 1 is the sequence; None when the batch has no sequence."""
     first = _first_sequence(batch)
     if first is None:
         return batch, None
     seq_len = first.shape[1]
+    if isinstance(batch, dict) and isinstance(batch.get("attention_mask"), Tensor):
+        _check_right_padding(batch["attention_mask"])
+    _check_targets(batch, seq_len)
     check_sequence_length(seq_len, cp, mode)
     index = positions_for(seq_len, cp, rank, mode).to(first.device)
     shard = SequenceShard(seq_len, index.unsqueeze(0).expand(first.shape[0], -1))
@@ -95,8 +126,6 @@ def shard_batch(batch: Any, cp: int, rank: int, mode: str) -> tuple[Any, Sequenc
         return x
 
     if isinstance(batch, dict):
-        if isinstance(batch.get("attention_mask"), Tensor):
-            _check_right_padding(batch["attention_mask"])
         out = {k: cut(v) for k, v in batch.items()}
         labels = batch.get("labels")
         if isinstance(labels, Tensor) and labels.ndim == 2:

@@ -32,6 +32,7 @@ from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.strategies.mesh import MeshStrategy
 from lightning_llmpar.strategies.options import BACKENDS, START_METHODS, validate_options
 from lightning_llmpar.tensor_parallel import Packing
+from lightning_llmpar.tensor_parallel.loss_parallel import split_logits
 from lightning_llmpar.training.batches import train_batch_sizes
 from lightning_llmpar.training.loss_normalization import TokenNormalizer
 
@@ -94,6 +95,7 @@ class LLMParallelStrategy(MeshStrategy):
             experts with all-to-all (see docs/expert-parallel.md).
         expert_capacity_factor: each expert takes at most this multiple of its even share of a rank's tokens;
             the rest are dropped (logged as moe/dropped_tokens). None (default): no token is dropped.
+        loss_parallel: 'auto' (default), True or False: the LM head's logits split by vocabulary (docs/loss-parallel.md).
         compile: ``torch.compile`` each block of the model's block stack (in place, per block, as torchtitan).
         fused_optimizer: step Adam/AdamW with torch's fused kernel where the optimizer left the choice to torch.
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
@@ -131,6 +133,7 @@ class LLMParallelStrategy(MeshStrategy):
         context_parallel_mode: Literal["ring", "ulysses"] = "ring",
         expert_parallel: int = 1,
         expert_capacity_factor: float | None = None,
+        loss_parallel: bool | Literal["auto"] = "auto",
         compile: bool = False,
         fused_optimizer: bool = True,
         start_method: START_METHODS = "popen",
@@ -142,13 +145,8 @@ class LLMParallelStrategy(MeshStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self.options = options = validate_options(arguments)
         self.pipeline = options.pipeline
@@ -159,6 +157,7 @@ class LLMParallelStrategy(MeshStrategy):
         self.parallel_config = ParallelConfig(
             sequence_parallel=sequence_parallel, tp_plan=dict(tp_plan or {}), cpu_offload=cpu_offload,
             gradient_compression=options.compression, expert_capacity_factor=expert_capacity_factor, compile=compile,
+            loss_parallel=loss_parallel,
         )
         self._start_method, self._process_group_backend, self._timeout = start_method, process_group_backend, timeout
         self._layout, self._device_mesh, self._dp_mesh = None, None, None
@@ -266,8 +265,8 @@ class LLMParallelStrategy(MeshStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self._step("training_step", *args, **kwargs)
+        with self.precision_plugin.train_step_context(), split_logits(self._backend.parallelized.loss_parallel) as done:
+            return done(self._step("training_step", *args, **kwargs))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -36,6 +36,7 @@ class StrategyOptions:
     count_tokens: Callable[[Any], int] | None = None
     context_parallel_mode: str = "ring"
     fused_optimizer: bool = True
+    loss_parallel: bool | str = "auto"
 
 
 def positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
@@ -60,6 +61,21 @@ def _check_degrees(a: dict[str, Any]) -> None:
     if a["cpu_offload"] and a["zero_stage"] == 0:
         raise ValueError(
             "LLMParallelStrategy: cpu_offload=True needs sharded state to offload; set zero_stage to 1, 2 or 3."
+        )
+
+
+def _check_loss_parallel(a: dict[str, Any]) -> None:
+    value = a["loss_parallel"]
+    if not (isinstance(value, bool) or value == "auto"):
+        raise ValueError(
+            f"LLMParallelStrategy: `loss_parallel` must be True, False or 'auto', got {value!r}. 'auto' (the default)"
+            " keeps the LM head's logits split over the vocabulary under tensor parallelism and gathers them for ops"
+            " other than the cross-entropy; True refuses such ops."
+        )
+    if value is True and a["tensor_parallel"] == 1:
+        raise ValueError(
+            "LLMParallelStrategy: loss_parallel=True splits the LM head's logits over the tensor-parallel ranks, but"
+            " tensor_parallel=1. Set tensor_parallel > 1, or leave loss_parallel='auto'."
         )
 
 
@@ -186,6 +202,7 @@ def _check_backend(a: dict[str, Any]) -> tuple[dict[str, Any], CompressionConfig
 def validate_options(a: dict[str, Any]) -> StrategyOptions:
     """Check the strategy's keyword arguments ``a`` (names as in ``LLMParallelStrategy.__init__``)."""
     _check_degrees(a)
+    _check_loss_parallel(a)
     _check_context_parallel(a)
     pipeline = _check_pipeline(a)
     # The schedule's canonical name (names are case-insensitive): these split backward into input and weight passes.
@@ -214,4 +231,5 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
                                  "zero_stage", "context_parallel", "expert_parallel")}
     count = None if norm == "mean" else count_target_tokens if norm == "tokens" else norm
     return StrategyOptions(degrees, pipeline, a["sharding_backend"], compression, deepspeed, hf, litgpt, stack,
-                           a["pipeline_check"], count, a["context_parallel_mode"], a["fused_optimizer"])
+                           a["pipeline_check"], count, a["context_parallel_mode"], a["fused_optimizer"],
+                           a["loss_parallel"])
