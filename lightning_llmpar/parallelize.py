@@ -62,12 +62,12 @@ class Parallelized:
     loss_parallel: LossParallel | None = None
 
 
-def _vocab_parallel_heads(plan: Any, option: bool | str) -> LossParallel | None:
+def _vocab_parallel_heads(plan: Any, option: bool | str, pp: int) -> LossParallel | None:
     """With loss parallelism, the plan's LM heads keep their output split in training steps."""
     if option is False:
         return None
     if not plan.vocab_heads:
-        if option is True:
+        if option is True and pp == 1:  # (a pipeline rank without the last stage has no head)
             raise ValueError(
                 "loss_parallel=True keeps the LM head's output split over the vocabulary, but the tensor-parallel plan"
                 " has no LM head split by vocabulary (a Linear onto the vocabulary outside the blocks; tp_plan may"
@@ -102,7 +102,7 @@ def parallelize(
             check_no_dropout(model)  # so the per-rank dropout streams, which compiled code cannot use, are not needed
         tied = find_tied_weights(model)
         plan = infer_tp_plan(model, layout.tp, sequence_parallel=config.sequence_parallel, user_plan=config.tp_plan)
-        done.loss_parallel = _vocab_parallel_heads(plan, config.loss_parallel)
+        done.loss_parallel = _vocab_parallel_heads(plan, config.loss_parallel, layout.pp)
         apply_tensor_parallel(model, mesh["tp"], plan, rank_streams=not config.compile)
         retie(model, tied)  # sharding gave each user of a tied weight its own parameter
         done.packings = plan.packings

@@ -107,6 +107,24 @@ def _check_targets(batch: Any, seq_len: int) -> None:
         )
 
 
+def _check_documents(batch: Any) -> None:
+    """Refuse packed rows: the attention over the ranks here is causal without a mask, so documents would attend
+    across their boundaries."""
+    if not isinstance(batch, dict):
+        return
+    positions, documents = batch.get("position_ids"), batch.get("document_ids")
+    packed = isinstance(documents, Tensor) and bool((documents[..., 1:] != documents[..., :-1]).any())
+    packed = packed or isinstance(positions, Tensor) and positions.ndim >= 1 and bool((positions[..., 1:] == 0).any())
+    if packed:
+        given = "document_ids changing" if isinstance(documents, Tensor) else "position_ids restarting at 0"
+        raise ValueError(
+            f"context_parallel runs causal attention over the ranks without a mask (ring and Ulysses alike), but this"
+            f" batch packs several documents in a row ({given} inside it), which would then attend across their"
+            " boundaries: wrong results. Train packed rows with tensor, pipeline or data parallelism (their document"
+            " masks are exact), or give context parallelism one document per row (padded on the right, -100 targets)."
+        )
+
+
 def shard_batch(batch: Any, cp: int, rank: int, mode: str) -> tuple[Any, SequenceShard | None]:
     """Cut every tensor of ``batch`` whose dimension 1 is the sequence; None when the batch has no sequence."""
     first = _first_sequence(batch)
@@ -116,6 +134,7 @@ def shard_batch(batch: Any, cp: int, rank: int, mode: str) -> tuple[Any, Sequenc
     if isinstance(batch, dict) and isinstance(batch.get("attention_mask"), Tensor):
         _check_right_padding(batch["attention_mask"])
     _check_targets(batch, seq_len)
+    _check_documents(batch)
     check_sequence_length(seq_len, cp, mode)
     index = positions_for(seq_len, cp, rank, mode).to(first.device)
     shard = SequenceShard(seq_len, index.unsqueeze(0).expand(first.shape[0], -1))

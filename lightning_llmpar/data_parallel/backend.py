@@ -38,6 +38,7 @@ from lightning_llmpar.pipeline.setup import build_pipeline
 from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.tensor_parallel.grads import reduce_partial_grads
 from lightning_llmpar.training.clip import clip_grad_norm_
+from lightning_llmpar.training.documents import apply_document_masking
 from lightning_llmpar.training.loss_normalization import TokenNormalizer
 from lightning_llmpar.training.optimizer import apply_optimizer_kernels, keep_kernels
 
@@ -149,6 +150,7 @@ class FSDP2Backend(ShardingBackend):
         stage_roots: list[torch.nn.Module] = []
         if options.block_stack is not None:
             mark_block_stack(module, options.block_stack)
+        apply_document_masking(module)  # packed documents in transformers models (see training.documents)
         self._apply_precision_plan(module)
         if options.count_tokens is not None:
             # Context-parallel ranks count the same whole batch (each weighs its own part, see context_parallel).

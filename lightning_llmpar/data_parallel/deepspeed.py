@@ -24,6 +24,7 @@ from lightning_llmpar.data_parallel.deepspeed_config import (
     deepspeed_precision,
 )
 from lightning_llmpar.precision.plugins import mesh_precision
+from lightning_llmpar.training.documents import apply_document_masking
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -94,6 +95,7 @@ class DeepSpeedBackend(ShardingBackend):
         module = s.lightning_module
         assert module is not None
         module.to(s.root_device)
+        apply_document_masking(module)  # packed documents in transformers models (see training.documents)
         optimizer = None
         if trainer.state.fn == TrainerFn.FITTING:
             s._reset_optimizers_and_schedulers()

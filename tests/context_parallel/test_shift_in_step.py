@@ -35,7 +35,7 @@ def test_one_sequence_without_targets_is_refused_with_the_pattern(length: int, w
 def test_inputs_with_targets_are_cut() -> None:
     x = torch.arange(32).reshape(2, 16)
     for batch in [(x, x + 1), {"input_ids": x, "labels": x}, {"input_ids": x, "targets": x + 1}]:
-        local, shard = shard_batch(batch, 2, 0, "ring")
+        _, shard = shard_batch(batch, 2, 0, "ring")
         assert shard is not None and shard.positions.shape == (2, 8)
 
 

@@ -162,3 +162,16 @@ def test_loss_parallel_option_is_checked() -> None:
         LLMParallelStrategy(loss_parallel=True)
     with pytest.raises(ValueError, match="must be True, False or 'auto', got 'yes'"):
         LLMParallelStrategy(tensor_parallel=2, loss_parallel="yes")
+
+
+FOUR = {"tp2-pp2": {"tensor_parallel": 2, "pipeline_parallel": 2, "loss_parallel": True},
+        "dp2-tp2-zero3": {"tensor_parallel": 2, "zero_stage": 3, "loss_parallel": True},
+        "cp2-tp2": {"tensor_parallel": 2, "context_parallel": 2, "loss_parallel": True}}
+
+
+def test_loss_parallel_with_pipeline_zero_and_context_parallelism() -> None:
+    cases = [("llama_tied", FOUR["tp2-pp2"], 8), ("llama", FOUR["dp2-tp2-zero3"], 4), ("llama", FOUR["cp2-tp2"], 8)]
+    refs = run_ranks(fit_cases, 1, [("llama", None, 8), ("llama_tied", None, 8)], timeout=600)[0]
+    outs = run_ranks(fit_cases, 4, cases, timeout=900)
+    for name, kwargs, _ in cases:
+        assert_exact(refs[(name, "None")], [o[(name, repr(kwargs))] for o in outs], sharded=False)
