@@ -205,3 +205,17 @@ def test_packed_rows_are_exact_under_tp_pp_and_zero() -> None:
         errors = [o[(style, packed, repr(kwargs))].get("error", "") for o in outs]
         assert all("packs several documents in a row" in e and "position_ids restarting at 0" in e for e in errors), \
             errors[0][-1500:]
+
+
+def test_transformers_packed_rows_with_an_attention_mask() -> None:
+    # An all-ones attention_mask beside packed positions (some collators add one) says nothing: left out, so
+    # transformers still masks the documents; one with padding cannot be honoured with packing and is refused.
+    torch.manual_seed(0)
+    model = _HF().model.train()
+    apply_document_masking(model)
+    packed = _Batches("hf", True)[0]
+    expected = _per_token(model, packed, "hf")
+    ones = {**packed, "attention_mask": torch.ones_like(packed["input_ids"])}
+    torch.testing.assert_close(_per_token(model, ones, "hf"), expected, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="pads\\s+too .* Pack without padding"):
+        _per_token(model, {**ones, "attention_mask": ones["attention_mask"].tril(8)[:, :SEQ]}, "hf")

@@ -58,14 +58,27 @@ def _is_transformers_model(module: nn.Module) -> bool:
 
 
 def apply_document_masking(module: nn.Module) -> int:
-    """Training forwards of the transformers models in ``module`` given ``position_ids`` and no ``attention_mask`` run
-    without a key/value cache, so transformers masks each packed document off the others. Returns how many models."""
+    """Training forwards of the transformers models in ``module`` given ``position_ids`` run without a key/value
+    cache, so transformers masks each packed document off the others; an all-ones ``attention_mask`` beside packed
+    positions is left out (with it transformers would not look for documents), one with padding refused. Returns how
+    many models got the hook."""
 
     def hook(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
-        if model.training and kwargs.get("position_ids") is not None and kwargs.get("attention_mask") is None \
-                and kwargs.get("past_key_values") is None:
-            return args, {**kwargs, "use_cache": False}
-        return None
+        positions, mask = kwargs.get("position_ids"), kwargs.get("attention_mask")
+        if not model.training or positions is None or kwargs.get("past_key_values") is not None:
+            return None
+        if mask is not None:
+            if not (isinstance(mask, Tensor) and mask.dim() == 2 and is_packed(positions)):
+                return None
+            if not bool(mask.all()):
+                raise ValueError(
+                    "This batch packs several documents in a row (position_ids restarting at 0 inside it) and pads"
+                    " too (attention_mask has zeros); transformers masks packed documents only without an"
+                    " attention_mask, so they would attend across their boundaries. Pack without padding (labels -100"
+                    " where ignored) and leave attention_mask out, or pad one document per row."
+                )
+            kwargs = {k: v for k, v in kwargs.items() if k != "attention_mask"}  # all ones: it says nothing
+        return args, {**kwargs, "use_cache": False}
 
     count = 0
     for sub in module.modules():
