@@ -190,20 +190,22 @@ def test_packed_rows_give_the_padded_documents_per_token_losses_and_gradients(st
 
 
 LAYOUTS = {"tp2": {"tensor_parallel": 2}, "pp2": {"pipeline_parallel": 2, "pipeline_schedule": "1F1B"},
-           "dp2-zero3": {"zero_stage": 3}}
+           "dp2-zero3": {"zero_stage": 3}, "cp2-ulysses": {"context_parallel": 2, "context_parallel_mode": "ulysses"}}
+RING = {"context_parallel": 2}
 
 
-def test_packed_rows_are_exact_under_tp_pp_and_zero() -> None:
+def test_packed_rows_are_exact_under_tp_pp_zero_and_ulysses() -> None:
     styles = ["hf", "gpt", "gpt_ids"]
     refs = run_ranks(_fits, 1, [(s, False, None) for s in styles], timeout=600)[0]
     cases = [(s, True, kw) for s in ("hf", "gpt") for kw in LAYOUTS.values()] + [("gpt_ids", True, LAYOUTS["tp2"])]
-    cases += [(s, True, {"context_parallel": 2}) for s in ("hf", "gpt")]
+    cases += [("gpt_ids", True, LAYOUTS["cp2-ulysses"])]
+    cases += [(s, True, RING) for s in ("hf", "gpt")]
     outs = run_ranks(_fits, 2, cases, timeout=900)
     for style, packed, kwargs in cases[:-2]:
         assert_exact(refs[(style, False, "None")], [o[(style, packed, repr(kwargs))] for o in outs], sharded=False)
-    for style, packed, kwargs in cases[-2:]:  # refused before work, with the reason
+    for style, packed, kwargs in cases[-2:]:  # ring attention: refused before work, with the reason
         errors = [o[(style, packed, repr(kwargs))].get("error", "") for o in outs]
-        assert all("packs several documents in a row" in e and "position_ids restarting at 0" in e for e in errors), \
+        assert all("packs several documents in a row" in e and "mode='ulysses'" in e for e in errors), \
             errors[0][-1500:]
 
 

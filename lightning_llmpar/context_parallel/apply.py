@@ -194,7 +194,9 @@ class ContextParallel:
             self.bytes_sent += 2 * key.numel() * key.element_size() * (self.cp - 1)
         else:
             self.bytes_sent += 4 * query.numel() * query.element_size() * (self.cp - 1) // self.cp
-        return context_parallel_attention(self.mode, self.mesh, self._sdpa, query, key, value, *args, **kwargs)
+        documents = self.shard.documents if self.shard is not None else None
+        return context_parallel_attention(self.mode, self.mesh, self._sdpa, query, key, value, *args, **kwargs,
+                                          documents=documents)
 
 
 def apply_context_parallel(module: nn.Module, mesh: DeviceMesh, mode: str) -> ContextParallel:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_llmpar.training.documents import document_ids_from_positions
+
 __all__ = ["IGNORE_INDEX", "SHIFT_IN_STEP", "SequenceShard", "positions_for", "shard_batch"]
 
 IGNORE_INDEX = -100
@@ -50,6 +52,7 @@ class SequenceShard:
     shifted: dict[int, Tensor] = field(default_factory=dict)  # id(local labels) -> local shifted labels
     targets: Tensor | None = None  # the local targets whose valid count weighs this rank's loss
     labels_seen: bool = False
+    documents: Tensor | None = None  # the whole sequences' document ids, for packed rows (Ulysses)
 
 
 def _first_sequence(batch: Any) -> Tensor | None:
@@ -107,22 +110,24 @@ def _check_targets(batch: Any, seq_len: int) -> None:
         )
 
 
-def _check_documents(batch: Any) -> None:
-    """Refuse packed rows: the attention over the ranks here is causal without a mask, so documents would attend
-    across their boundaries."""
+def _documents(batch: Any, mode: str) -> Tensor | None:
+    """The whole sequences' document ids of packed rows (None: one document per row). Ulysses attends over whole
+    sequences, so it masks each document; ring attention here is causal without a mask: packed rows refused."""
     if not isinstance(batch, dict):
-        return
+        return None
     positions, documents = batch.get("position_ids"), batch.get("document_ids")
     packed = isinstance(documents, Tensor) and bool((documents[..., 1:] != documents[..., :-1]).any())
-    packed = packed or isinstance(positions, Tensor) and positions.ndim >= 1 and bool((positions[..., 1:] == 0).any())
-    if packed:
-        given = "document_ids changing" if isinstance(documents, Tensor) else "position_ids restarting at 0"
+    if not packed and isinstance(positions, Tensor) and positions.ndim == 2 and bool((positions[..., 1:] == 0).any()):
+        packed, documents = True, document_ids_from_positions(positions)
+    if packed and mode == "ring":
+        given = "document_ids changing" if isinstance(batch.get("document_ids"), Tensor) else "position_ids restarting at 0"
         raise ValueError(
-            f"context_parallel runs causal attention over the ranks without a mask (ring and Ulysses alike), but this"
-            f" batch packs several documents in a row ({given} inside it), which would then attend across their"
-            " boundaries: wrong results. Train packed rows with tensor, pipeline or data parallelism (their document"
-            " masks are exact), or give context parallelism one document per row (padded on the right, -100 targets)."
+            f"context_parallel_mode='ring' runs causal attention over the ranks without a mask, but this batch packs"
+            f" several documents in a row ({given} inside it), which would then attend across their boundaries:"
+            " wrong results. Use context_parallel_mode='ulysses' (each rank attends over whole sequences with the"
+            " document mask), tensor, pipeline or data parallelism, or one document per row (padded on the right)."
         )
+    return documents if packed else None
 
 
 def shard_batch(batch: Any, cp: int, rank: int, mode: str) -> tuple[Any, SequenceShard | None]:
@@ -134,10 +139,10 @@ def shard_batch(batch: Any, cp: int, rank: int, mode: str) -> tuple[Any, Sequenc
     if isinstance(batch, dict) and isinstance(batch.get("attention_mask"), Tensor):
         _check_right_padding(batch["attention_mask"])
     _check_targets(batch, seq_len)
-    _check_documents(batch)
+    documents = _documents(batch, mode)
     check_sequence_length(seq_len, cp, mode)
     index = positions_for(seq_len, cp, rank, mode).to(first.device)
-    shard = SequenceShard(seq_len, index.unsqueeze(0).expand(first.shape[0], -1))
+    shard = SequenceShard(seq_len, index.unsqueeze(0).expand(first.shape[0], -1), documents=documents)
 
     def cut(x: Any) -> Any:
         if isinstance(x, Tensor) and x.ndim >= 2 and x.shape[1] == seq_len:
@@ -152,6 +157,8 @@ def shard_batch(batch: Any, cp: int, rank: int, mode: str) -> tuple[Any, Sequenc
             shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
             shard.targets = shifted.index_select(1, index)
             shard.shifted[id(out["labels"])] = shard.targets
+        elif isinstance(batch.get("targets"), Tensor) and batch["targets"].shape == first.shape:
+            shard.targets = out["targets"]  # already shifted, as in (inputs, targets) pairs
         return out, shard
     if isinstance(batch, (list, tuple)):
         out = type(batch)(cut(x) for x in batch) if isinstance(batch, list) else tuple(cut(x) for x in batch)
