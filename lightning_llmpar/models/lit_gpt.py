@@ -42,8 +42,13 @@ class GPTModule(LightningModule):
         )
         self.val_ppl = Perplexity(ignore_index=-100)
 
-    def forward(self, idx: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
-        return self.model(idx, position_ids=position_ids, document_ids=document_ids)
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(idx)
+
+    def _logits(self, idx: Tensor, boundaries: dict[str, Tensor]) -> Tensor:
+        # Packed rows' boundaries go to the model itself: context parallelism hands positions to the first module whose
+        # forward takes position_ids, which must be the model (Lightning routes every step through this forward).
+        return self.model(idx, **boundaries) if boundaries else self(idx)
 
     def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))  # targets -100: ignored
@@ -59,7 +64,7 @@ class GPTModule(LightningModule):
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         x, y, boundaries = self._unpack(batch)
-        loss = self._loss(self(x, **boundaries), y)
+        loss = self._loss(self._logits(x, boundaries), y)
         self.log("train/loss", loss, prog_bar=True)
         if self.hparams.n_expert and self.hparams.moe_aux_loss_coef:
             aux = self.model.aux_loss()
@@ -69,7 +74,7 @@ class GPTModule(LightningModule):
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         x, y, boundaries = self._unpack(batch)
-        logits = self(x, **boundaries)
+        logits = self._logits(x, boundaries)
         self.val_ppl.update(logits.float(), y)
         self.log("val/loss", self._loss(logits, y), sync_dist=True)
         self.log("val/ppl", self.val_ppl, prog_bar=True)
@@ -77,7 +82,7 @@ class GPTModule(LightningModule):
     def predict_step(self, batch: Batch | Tensor, batch_idx: int) -> Tensor:
         if isinstance(batch, dict):
             x, _, boundaries = self._unpack(batch)
-            return self(x, **boundaries).argmax(-1)
+            return self._logits(x, boundaries).argmax(-1)
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
         return self(x).argmax(-1)
 
