@@ -2,7 +2,8 @@
 
 ``compose`` runs once per module, in the only order that works; each step needs the one before:
 
-1. The block stack the user named is marked, so every later step finds the same one.
+1. The block stack the user named is marked, so every later step finds the same one; packed documents get their
+   attention masks in transformers models.
 2. Module swaps of the precision plugin (FP8 linears) come before anything is split or sharded.
 3. Token counting and context parallelism: they change what a step computes, not the weights.
 4. The pipeline split: each rank keeps only its stages, so nothing else is built for layers it drops.
@@ -38,6 +39,7 @@ from lightning_llmpar.parallelize import ParallelConfig, Parallelized, paralleli
 from lightning_llmpar.pipeline.runner import PipelineRunner
 from lightning_llmpar.pipeline.setup import build_pipeline
 from lightning_llmpar.strategies.options import StrategyOptions
+from lightning_llmpar.training.documents import apply_document_masking
 from lightning_llmpar.training.loss_normalization import TokenNormalizer
 
 __all__ = ["Composed", "SetupContext", "compose", "composed_before", "parallel_config"]
@@ -89,6 +91,7 @@ def parallel_config(options: StrategyOptions, precision: Precision) -> ParallelC
         mp_policy=policy, always_shard=bool(getattr(precision, "needs_sharding_wrapper", False)),
         plain_precision=plain, gradient_compression=options.compression,
         expert_capacity_factor=options.expert_capacity_factor, compile=options.compile,
+        loss_parallel=options.loss_parallel,
     )
 
 
@@ -108,6 +111,7 @@ def compose(module: nn.Module, ctx: SetupContext) -> Composed:
     options, layout, mesh = ctx.options, ctx.layout, ctx.mesh
     if options.block_stack is not None:
         mark_block_stack(module, options.block_stack)
+    apply_document_masking(module)  # packed documents in transformers models (see training.documents)
     if hasattr(ctx.precision, "convert_before_parallelism"):
         ctx.precision.convert_before_parallelism(module)
     done = Composed(layout, parallel_config(options, ctx.precision))

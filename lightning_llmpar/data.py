@@ -56,6 +56,32 @@ class _Windows(Dataset):
         return window[:-1], window[1:]
 
 
+class _PackedWindows(Dataset):
+    """Rows of packed documents: the corpus cut into documents at every blank line (paragraphs: a Python file's
+    functions and blocks), read in windows of ``block_size``. A row's documents restart their ``position_ids`` at 0 (a window
+    starts one too); a document's last token has no target (-100), so nothing is predicted across documents."""
+
+    def __init__(self, tokens: Tensor, block_size: int) -> None:
+        self.tokens, self.block_size = tokens, block_size
+        self.length = (len(tokens) - 1) // block_size
+        newline = tokens == 10
+        starts = torch.zeros_like(tokens, dtype=torch.bool)
+        starts[2:] = newline[:-2] & newline[1:-1]  # the token after two newlines
+        self.starts = starts
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        start, end = i * self.block_size, (i + 1) * self.block_size
+        starts = self.starts[start:end].clone()
+        starts[0] = True
+        index = torch.arange(self.block_size)
+        positions = index - torch.where(starts, index, 0).cummax(0).values
+        targets = torch.where(self.starts[start + 1 : end + 1], -100, self.tokens[start + 1 : end + 1])
+        return {"input_ids": self.tokens[start:end], "targets": targets, "position_ids": positions}
+
+
 def ordered_loader(dataset: Dataset, batch_size: int, strategy: Any, drop_last: bool = False) -> DataLoader:
     """Batches in a fixed order for ``strategy``: data-parallel rank r takes samples r, r+dp, ... (no shuffling),
     so the data-parallel ranks together see exactly one process's batches. Lightning's own training sampler
@@ -66,7 +92,8 @@ def ordered_loader(dataset: Dataset, batch_size: int, strategy: Any, drop_last: 
 
 
 class CorpusDataModule(LightningDataModule):
-    """Train/validation split of the corpus; each data-parallel rank gets its share via Lightning's sampler."""
+    """Train/validation split of the corpus; each data-parallel rank gets its share via Lightning's sampler.
+    ``packed``: rows of several documents each (dict batches with restarting ``position_ids``, see _PackedWindows)."""
 
     def __init__(
         self,
@@ -76,6 +103,7 @@ class CorpusDataModule(LightningDataModule):
         max_bytes: int = 2_000_000,
         val_fraction: float = 0.05,
         num_workers: int = 0,
+        packed: bool = False,
     ) -> None:
         super().__init__()
         if not 0.0 < val_fraction < 1.0:
@@ -88,8 +116,9 @@ class CorpusDataModule(LightningDataModule):
         hp = self.hparams
         tokens = load_corpus(hp.source, hp.max_bytes)
         split = int(len(tokens) * (1 - hp.val_fraction))
-        self.train_set = _Windows(tokens[:split], hp.block_size)
-        self.val_set = _Windows(tokens[split:], hp.block_size)
+        windows = _PackedWindows if hp.packed else _Windows
+        self.train_set = windows(tokens[:split], hp.block_size)
+        self.val_set = windows(tokens[split:], hp.block_size)
         if len(self.val_set) == 0:
             raise ValueError(
                 f"The validation split ({len(tokens) - split} bytes) is shorter than one block ({hp.block_size})."

@@ -19,6 +19,7 @@ from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.modeling.structure import find_block_stack
 from lightning_llmpar.modeling.ties import find_tied_weights, retie
 from lightning_llmpar.tensor_parallel import Packing, apply_tensor_parallel, infer_tp_plan
+from lightning_llmpar.tensor_parallel.loss_parallel import LossParallel, VocabParallelHead
 from lightning_llmpar.training.compile import apply_compile, check_no_dropout
 
 __all__ = ["ParallelConfig", "Parallelized", "parallelize"]
@@ -44,6 +45,9 @@ class ParallelConfig:
     expert_capacity_factor: float | None = None
     # torch.compile each block (see training.compile).
     compile: bool = False
+    # Keep the LM head's logits split over the vocabulary in training steps (see tensor_parallel.loss_parallel):
+    # True (refuse other uses of them), 'auto' (gather them for other uses) or False.
+    loss_parallel: bool | str = "auto"
 
 
 @dataclass
@@ -55,6 +59,25 @@ class Parallelized:
     dp_roots: list[nn.Module] = field(default_factory=list)
     packings: dict[str, Packing] = field(default_factory=dict)
     expert_parallel: ExpertParallel | None = None
+    loss_parallel: LossParallel | None = None
+
+
+def _vocab_parallel_heads(plan: Any, option: bool | str, pp: int) -> LossParallel | None:
+    """With loss parallelism, the plan's LM heads keep their output split in training steps."""
+    if option is False:
+        return None
+    if not plan.vocab_heads:
+        if option is True and pp == 1:  # (a pipeline rank without the last stage has no head)
+            raise ValueError(
+                "loss_parallel=True keeps the LM head's output split over the vocabulary, but the tensor-parallel plan"
+                " has no LM head split by vocabulary (a Linear onto the vocabulary outside the blocks; tp_plan may"
+                " name it otherwise). Leave the head to the inferred plan, or set loss_parallel='auto' or False."
+            )
+        return None
+    owner = LossParallel(strict=option is True)
+    for name in plan.vocab_heads:
+        plan.styles[name] = VocabParallelHead(owner)
+    return owner
 
 
 def parallelize(
@@ -79,6 +102,7 @@ def parallelize(
             check_no_dropout(model)  # so the per-rank dropout streams, which compiled code cannot use, are not needed
         tied = find_tied_weights(model)
         plan = infer_tp_plan(model, layout.tp, sequence_parallel=config.sequence_parallel, user_plan=config.tp_plan)
+        done.loss_parallel = _vocab_parallel_heads(plan, config.loss_parallel, layout.pp)
         apply_tensor_parallel(model, mesh["tp"], plan, rank_streams=not config.compile)
         retie(model, tied)  # sharding gave each user of a tied weight its own parameter
         done.packings = plan.packings

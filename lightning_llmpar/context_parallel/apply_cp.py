@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_llmpar.context_parallel.attention import context_parallel_attention, enable_device_ring
 from lightning_llmpar.context_parallel.hf_attention import prepare_hf_attention
-from lightning_llmpar.context_parallel.sequence import IGNORE_INDEX, SequenceShard, shard_batch
+from lightning_llmpar.context_parallel.sequence import IGNORE_INDEX, SHIFT_IN_STEP, SequenceShard, shard_batch
 
 __all__ = ["ContextParallel", "apply_context_parallel", "check_sequence_mixers"]
 
@@ -146,6 +146,7 @@ class ContextParallel:
     def _inject(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         if not self.active or self.shard is None:
             return None
+        self._check_length(args, kwargs)
         index = self._position_index
         positional = index is not None and index < len(args)
         given = args[index] if positional else kwargs.get("position_ids")
@@ -171,6 +172,18 @@ class ContextParallel:
                     kwargs["num_items_in_batch"] = 1
         return args, kwargs
 
+    def _check_length(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """The model must get this rank's part of the sequence as cut, not a slice of it (before it runs)."""
+        assert self.shard is not None
+        first = args[0] if args else next((kwargs[k] for k in ("input_ids", "inputs_embeds", "idx") if k in kwargs), None)
+        local = self.shard.positions.shape[-1]
+        if isinstance(first, Tensor) and first.ndim >= 2 and first.shape[1] != local:
+            raise ValueError(
+                f"context_parallel={self.cp} cut every sequence of the batch (length {self.shard.seq_len}) before the"
+                f" training step, giving this rank {local} tokens of each, but the model was given {first.shape[1]}:"
+                f" the step slices the sequence itself. {SHIFT_IN_STEP}"
+            )
+
     @torch.compiler.disable  # compiled blocks run attention eagerly: the ring's process-group calls do not trace
     def _attention(self, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if not self.active:
@@ -181,7 +194,9 @@ class ContextParallel:
             self.bytes_sent += 2 * key.numel() * key.element_size() * (self.cp - 1)
         else:
             self.bytes_sent += 4 * query.numel() * query.element_size() * (self.cp - 1) // self.cp
-        return context_parallel_attention(self.mode, self.mesh, self._sdpa, query, key, value, *args, **kwargs)
+        documents = self.shard.documents if self.shard is not None else None
+        return context_parallel_attention(self.mode, self.mesh, self._sdpa, query, key, value, *args, **kwargs,
+                                          documents=documents)
 
 
 def apply_context_parallel(module: nn.Module, mesh: DeviceMesh, mode: str) -> ContextParallel:

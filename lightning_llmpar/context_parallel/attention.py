@@ -21,6 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 
+from lightning_llmpar.training.documents import document_causal_mask
+
 __all__ = ["MODES", "context_parallel_attention", "enable_device_ring"]
 
 MODES = ("ring", "ulysses")
@@ -74,7 +76,8 @@ def _heads_to_seq(x: Tensor, group: dist.ProcessGroup, cp: int) -> Tensor:
     return recv.reshape(cp, B, h, S // cp, D).permute(1, 0, 2, 3, 4).reshape(B, cp * h, S // cp, D)
 
 
-def _ulysses(q: Tensor, k: Tensor, v: Tensor, scale: float | None, mesh: DeviceMesh, sdpa: Callable) -> Tensor:
+def _ulysses(q: Tensor, k: Tensor, v: Tensor, scale: float | None, mesh: DeviceMesh, sdpa: Callable,
+             mask: Tensor | None = None) -> Tensor:
     group, cp = mesh.get_group(), mesh.size()
     if q.shape[1] % cp:
         raise ValueError(
@@ -83,16 +86,22 @@ def _ulysses(q: Tensor, k: Tensor, v: Tensor, scale: float | None, mesh: DeviceM
             " context_parallel_mode='ring', or a context_parallel degree that divides the heads."
         )
     q, k, v = (_seq_to_heads(t, group, cp) for t in (q, k, v))
-    return _heads_to_seq(sdpa(q, k, v, is_causal=True, scale=scale), group, cp)
+    # Each rank now holds whole sequences (of its heads): packed documents take their mask over the whole sequence.
+    out = sdpa(q, k, v, attn_mask=mask, scale=scale) if mask is not None else sdpa(q, k, v, is_causal=True, scale=scale)
+    return _heads_to_seq(out, group, cp)
 
 
 def context_parallel_attention(
     mode: str, mesh: DeviceMesh, sdpa: Callable, query: Tensor, key: Tensor, value: Tensor,
     attn_mask: Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-    enable_gqa: bool = False,
+    enable_gqa: bool = False, documents: Tensor | None = None,
 ) -> Tensor:
-    """``F.scaled_dot_product_attention``'s arguments, on this rank's part of the sequence; causal only."""
-    if attn_mask is not None or not is_causal or dropout_p:
+    """``F.scaled_dot_product_attention``'s arguments, on this rank's part of the sequence; causal only, or causal
+    within each packed document (``documents``: the whole sequences' document ids, Ulysses only). The model's own
+    mask is then its rank's part of that document mask, which the whole one replaces."""
+    local = query.shape[-2]
+    own_document_mask = documents is not None and (attn_mask is None or tuple(attn_mask.shape[-2:]) == (local, local))
+    if (attn_mask is not None or not is_causal) and not own_document_mask or dropout_p:
         raise ValueError(
             "context_parallel runs causal attention over a sequence split across ranks; an attention layer called"
             f" scaled_dot_product_attention with attn_mask={'a tensor' if attn_mask is not None else None},"
@@ -102,6 +111,9 @@ def context_parallel_attention(
     if key.shape[1] != query.shape[1]:  # grouped-query attention: one k/v head per group of query heads
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if documents is not None:
+        mask = document_causal_mask(documents)
+        return _ulysses(query, key, value, scale, mesh, sdpa, mask)
     attend = _ring if mode == "ring" else _ulysses
     return attend(query, key, value, scale, mesh, sdpa)
 

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["IGNORE_INDEX", "SequenceShard", "positions_for", "shard_batch"]
+from lightning_llmpar.training.documents import document_ids_from_positions
+
+__all__ = ["IGNORE_INDEX", "SHIFT_IN_STEP", "SequenceShard", "positions_for", "shard_batch"]
 
 IGNORE_INDEX = -100
 
@@ -50,6 +52,7 @@ class SequenceShard:
     shifted: dict[int, Tensor] = field(default_factory=dict)  # id(local labels) -> local shifted labels
     targets: Tensor | None = None  # the local targets whose valid count weighs this rank's loss
     labels_seen: bool = False
+    documents: Tensor | None = None  # the whole sequences' document ids, for packed rows (Ulysses)
 
 
 def _first_sequence(batch: Any) -> Tensor | None:
@@ -79,15 +82,67 @@ def _check_right_padding(mask: Tensor) -> None:
         )
 
 
+# Sequence-shaped entries of a dict batch that are neither inputs nor targets.
+_NOT_TOKENS = ("attention_mask", "position_ids", "document_ids", "seq_lens", "cu_seqlens")
+
+SHIFT_IN_STEP = (
+    "A step that shifts a sequence itself (`logits = model(x[:, :-1]); loss = cross_entropy(logits, x[:, 1:])`, or"
+    " `cross_entropy(logits[:, :-1], x[:, 1:])`) cannot run on a rank's part of the sequence: the slices would drop"
+    " this rank's last token instead of the sequence's, and pair tokens with other ranks' targets. Put inputs and"
+    " shifted targets in the batch, cut alike: yield (x[:-1], x[1:]) pairs and compute `cross_entropy(model(inputs),"
+    " targets)`; or dicts with 'input_ids' and 'labels' for a transformers model (it shifts labels itself, and"
+    " context parallelism shifts them before the cut)."
+)
+
+
+def _check_targets(batch: Any, seq_len: int) -> None:
+    """Refuse a training batch holding one token sequence and no targets: its step can only shift it itself."""
+    if isinstance(batch, dict):
+        items = [v for k, v in batch.items() if k not in _NOT_TOKENS]
+    else:
+        items = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+    sequences = [x for x in items if isinstance(x, Tensor) and x.ndim >= 2 and x.shape[1] == seq_len]
+    if len(sequences) < 2 and not (isinstance(batch, dict) and "labels" in batch):
+        raise ValueError(
+            f"context_parallel cuts every sequence of the batch before the training step, but this batch holds one"
+            f" token sequence (length {seq_len}) and no targets, so the step must derive the targets from it. "
+            + SHIFT_IN_STEP
+        )
+
+
+def _documents(batch: Any, mode: str) -> Tensor | None:
+    """The whole sequences' document ids of packed rows (None: one document per row). Ulysses attends over whole
+    sequences, so it masks each document; ring attention here is causal without a mask: packed rows refused."""
+    if not isinstance(batch, dict):
+        return None
+    positions, documents = batch.get("position_ids"), batch.get("document_ids")
+    packed = isinstance(documents, Tensor) and bool((documents[..., 1:] != documents[..., :-1]).any())
+    if not packed and isinstance(positions, Tensor) and positions.ndim == 2 and bool((positions[..., 1:] == 0).any()):
+        packed, documents = True, document_ids_from_positions(positions)
+    if packed and mode == "ring":
+        given = "document_ids changing" if isinstance(batch.get("document_ids"), Tensor) else "position_ids restarting at 0"
+        raise ValueError(
+            f"context_parallel_mode='ring' runs causal attention over the ranks without a mask, but this batch packs"
+            f" several documents in a row ({given} inside it), which would then attend across their boundaries:"
+            " wrong results. Use context_parallel_mode='ulysses' (each rank attends over whole sequences with the"
+            " document mask), tensor, pipeline or data parallelism, or one document per row (padded on the right)."
+        )
+    return documents if packed else None
+
+
 def shard_batch(batch: Any, cp: int, rank: int, mode: str) -> tuple[Any, SequenceShard | None]:
     """Cut every tensor of ``batch`` whose dimension 1 is the sequence; None when the batch has no sequence."""
     first = _first_sequence(batch)
     if first is None:
         return batch, None
     seq_len = first.shape[1]
+    if isinstance(batch, dict) and isinstance(batch.get("attention_mask"), Tensor):
+        _check_right_padding(batch["attention_mask"])
+    _check_targets(batch, seq_len)
+    documents = _documents(batch, mode)
     check_sequence_length(seq_len, cp, mode)
     index = positions_for(seq_len, cp, rank, mode).to(first.device)
-    shard = SequenceShard(seq_len, index.unsqueeze(0).expand(first.shape[0], -1))
+    shard = SequenceShard(seq_len, index.unsqueeze(0).expand(first.shape[0], -1), documents=documents)
 
     def cut(x: Any) -> Any:
         if isinstance(x, Tensor) and x.ndim >= 2 and x.shape[1] == seq_len:
@@ -95,8 +150,6 @@ def shard_batch(batch: Any, cp: int, rank: int, mode: str) -> tuple[Any, Sequenc
         return x
 
     if isinstance(batch, dict):
-        if isinstance(batch.get("attention_mask"), Tensor):
-            _check_right_padding(batch["attention_mask"])
         out = {k: cut(v) for k, v in batch.items()}
         labels = batch.get("labels")
         if isinstance(labels, Tensor) and labels.ndim == 2:
@@ -104,6 +157,8 @@ def shard_batch(batch: Any, cp: int, rank: int, mode: str) -> tuple[Any, Sequenc
             shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
             shard.targets = shifted.index_select(1, index)
             shard.shifted[id(out["labels"])] = shard.targets
+        elif isinstance(batch.get("targets"), Tensor) and batch["targets"].shape == first.shape:
+            shard.targets = out["targets"]  # already shifted, as in (inputs, targets) pairs
         return out, shard
     if isinstance(batch, (list, tuple)):
         out = type(batch)(cut(x) for x in batch) if isinstance(batch, list) else tuple(cut(x) for x in batch)

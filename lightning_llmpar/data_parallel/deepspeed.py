@@ -27,6 +27,7 @@ from lightning_llmpar.data_parallel.deepspeed_config import (
 )
 from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.strategies.options import StrategyOptions
+from lightning_llmpar.training.documents import apply_document_masking
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -104,6 +105,7 @@ class DeepSpeedBackend(ShardingBackend):
         assert module is not None
         self.ctx = ctx
         module.to(s.root_device)
+        apply_document_masking(module)  # packed documents in transformers models (see training.documents)
         optimizer = None
         if trainer.state.fn == TrainerFn.FITTING:
             s.optimizers, s.lr_scheduler_configs = [], []

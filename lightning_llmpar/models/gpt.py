@@ -13,6 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_llmpar.training.documents import (
+    document_causal_mask,
+    document_ids_from_positions,
+    is_packed,
+    positions_from_documents,
+)
+
 __all__ = ["GPTConfig", "GPT", "MoE", "Experts"]
 
 
@@ -87,7 +94,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -95,7 +102,8 @@ class Attention(nn.Module):
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         groups = self.n_head // self.n_kv_head
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Packed documents: causal within each document (mask), else plain causal.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
@@ -171,8 +179,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp: nn.Module = MoE(cfg) if cfg.n_expert else MLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -194,10 +202,19 @@ class GPT(nn.Module):
         # Called after meta-device materialization: rebuild the (non-persistent) rotary tables.
         self.rope_cos, self.rope_sin = _rope_tables(self.config, device=self.rope_cos.device)
 
-    def forward(self, idx: Tensor, position_ids: Tensor | None = None) -> Tensor:
+    def forward(self, idx: Tensor, position_ids: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
         """``position_ids`` (B, T): where each token sits in its sequence, when ``idx`` is not the whole sequence
-        from position 0 (context parallelism hands each rank part of it)."""
+        from position 0 (context parallelism hands each rank part of it), or in its document, restarting at 0 for
+        each document of a packed row. ``document_ids`` (B, T): the document of each token, for packed rows.
+        Attention stays within each document of a packed row (see training.documents)."""
         T = idx.shape[1]
+        mask = None
+        if document_ids is None and position_ids is not None and is_packed(position_ids):
+            document_ids = document_ids_from_positions(position_ids)
+        if document_ids is not None:
+            mask = document_causal_mask(document_ids)
+            if position_ids is None:
+                position_ids = positions_from_documents(document_ids)
         if T > self.config.block_size:
             raise ValueError(f"Sequence length {T} exceeds block_size {self.config.block_size}.")
         x = self.tok_emb(idx)
@@ -206,7 +223,7 @@ class GPT(nn.Module):
         else:
             cos, sin = self.rope_cos[position_ids], self.rope_sin[position_ids]
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, mask)
         return self.lm_head(self.norm(x))
 
     def aux_loss(self) -> Tensor:

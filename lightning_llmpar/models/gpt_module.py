@@ -12,6 +12,8 @@ from lightning_llmpar.models.gpt import GPT, GPTConfig
 
 __all__ = ["GPTModule"]
 
+Batch = tuple[Tensor, Tensor] | dict[str, Tensor]
+
 
 class GPTModule(LightningModule):
     def __init__(
@@ -38,17 +40,31 @@ class GPTModule(LightningModule):
                 n_kv_head=n_kv_head, n_embd=n_embd, n_expert=n_expert, n_expert_per_token=n_expert_per_token,
             )
         )
-        self.val_ppl = Perplexity()
+        self.val_ppl = Perplexity(ignore_index=-100)
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(idx)
 
-    def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    def _logits(self, idx: Tensor, boundaries: dict[str, Tensor]) -> Tensor:
+        # Packed rows' boundaries go to the model itself: context parallelism hands positions to the first module whose
+        # forward takes position_ids, which must be the model (Lightning routes every step through this forward).
+        return self.model(idx, **boundaries) if boundaries else self(idx)
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        x, y = batch
-        loss = self._loss(self(x), y)
+    def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))  # targets -100: ignored
+
+    @staticmethod
+    def _unpack(batch: Batch) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+        """(inputs, targets) pairs, or dicts of packed rows: 'input_ids', 'targets' (shifted, -100 at each document's
+        last token) and 'position_ids' restarting at each document or 'document_ids'."""
+        if isinstance(batch, dict):
+            boundaries = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
+            return batch["input_ids"], batch.get("targets"), boundaries
+        return batch[0], batch[1], {}
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        x, y, boundaries = self._unpack(batch)
+        loss = self._loss(self._logits(x, boundaries), y)
         self.log("train/loss", loss, prog_bar=True)
         if self.hparams.n_expert and self.hparams.moe_aux_loss_coef:
             aux = self.model.aux_loss()
@@ -56,14 +72,17 @@ class GPTModule(LightningModule):
             loss = loss + self.hparams.moe_aux_loss_coef * aux
         return loss
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        x, y = batch
-        logits = self(x)
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        x, y, boundaries = self._unpack(batch)
+        logits = self._logits(x, boundaries)
         self.val_ppl.update(logits.float(), y)
         self.log("val/loss", self._loss(logits, y), sync_dist=True)
         self.log("val/ppl", self.val_ppl, prog_bar=True)
 
-    def predict_step(self, batch: tuple[Tensor, Tensor] | Tensor, batch_idx: int) -> Tensor:
+    def predict_step(self, batch: Batch | Tensor, batch_idx: int) -> Tensor:
+        if isinstance(batch, dict):
+            x, _, boundaries = self._unpack(batch)
+            return self._logits(x, boundaries).argmax(-1)
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
         return self(x).argmax(-1)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from lightning_llmpar.modeling.materialize import has_meta_tensors, materialize
 from lightning_llmpar.modeling.structure import BlockStack
@@ -90,6 +91,10 @@ def first_sample(trainer: Any) -> Any:
         if dataset is None or isinstance(dataset, IterableDataset) or len(dataset) == 0:  # type: ignore[arg-type]
             raise TypeError("not one map-style dataset")
         with torch.random.fork_rng(devices=[]):
+            if loader.batch_sampler is None:
+                # batch_size=None: each item is a batch already (collate_fn only converts it); its first sample.
+                batch = loader.collate_fn(dataset[0]) if loader.collate_fn else dataset[0]
+                return tree_map(lambda x: x[:1] if isinstance(x, Tensor) and x.ndim else x, batch)
             return (loader.collate_fn or default_collate)([dataset[0]])
     except Exception as err:  # noqa: BLE001 - the check is optional; the first step checks what it can
         log.info("pipeline split not checked before training (no sample at hand: %s)", err)

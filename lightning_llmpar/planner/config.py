@@ -95,6 +95,6 @@ def fit_config(plan: Plan, row: PlannedLayout) -> str:
         + ("# Async tensor parallelism is assumed by the prediction; the strategy has no such option.\n"
            if c.async_tp else "")
         + "# The data section is the bundled corpus; put your own DataModule there with the same batch_size.\n"
-        f"# Run: llmpar fit --config <this file>\n"
+        "# Run: llmpar fit --config <this file>\n"
     )
     return header + yaml.safe_dump(config, sort_keys=False)

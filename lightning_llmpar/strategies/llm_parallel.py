@@ -32,6 +32,7 @@ from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.strategies.checkpoints import CheckpointingStrategy
 from lightning_llmpar.strategies.options import BACKENDS, START_METHODS, validate_options
 from lightning_llmpar.tensor_parallel import Packing
+from lightning_llmpar.tensor_parallel.loss_parallel import LossParallel, split_logits
 from lightning_llmpar.training.batches import train_batch_sizes
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
             experts with all-to-all (see docs/expert-parallel.md).
         expert_capacity_factor: each expert takes at most this multiple of its even share of a rank's tokens;
             the rest are dropped (logged as moe/dropped_tokens). None (default): no token is dropped.
+        loss_parallel: 'auto' (default), True or False: the LM head's logits split by vocabulary (docs/loss-parallel.md).
         compile: ``torch.compile`` each block of the model's block stack (in place, per block, as torchtitan).
         fused_optimizer: step Adam/AdamW with torch's fused kernel where the optimizer left the choice to torch.
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
@@ -130,6 +132,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
         context_parallel_mode: Literal["ring", "ulysses"] = "ring",
         expert_parallel: int = 1,
         expert_capacity_factor: float | None = None,
+        loss_parallel: bool | Literal["auto"] = "auto",
         compile: bool = False,
         fused_optimizer: bool = True,
         start_method: START_METHODS = "popen",
@@ -141,13 +144,8 @@ class LLMParallelStrategy(CheckpointingStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         # Every argument is checked once, here, into one frozen object; nothing below changes it.
         self.options = options = validate_options(arguments)
@@ -245,6 +243,10 @@ class LLMParallelStrategy(CheckpointingStrategy):
         return step_on_one_sample(trainer, self)
 
     @property
+    def _loss_parallel(self) -> LossParallel | None:
+        return self._composed.parallelized.loss_parallel if self._composed is not None else None
+
+    @property
     def context_parallel(self) -> ContextParallel | None:
         """Context parallelism as composed (None without it or before set-up)."""
         return self._composed.context_parallel if self._composed is not None else None
@@ -284,8 +286,8 @@ class LLMParallelStrategy(CheckpointingStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self._step("training_step", *args, **kwargs)
+        with self.precision_plugin.train_step_context(), split_logits(self._loss_parallel) as done:
+            return done(self._step("training_step", *args, **kwargs))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -43,6 +43,7 @@ class StrategyOptions:
     expert_capacity_factor: float | None = None
     compile: bool = False
     start_method: str = "popen"
+    loss_parallel: bool | str = "auto"
 
 
 def positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
@@ -67,6 +68,21 @@ def _check_degrees(a: dict[str, Any]) -> None:
     if a["cpu_offload"] and a["zero_stage"] == 0:
         raise ValueError(
             "LLMParallelStrategy: cpu_offload=True needs sharded state to offload; set zero_stage to 1, 2 or 3."
+        )
+
+
+def _check_loss_parallel(a: dict[str, Any]) -> None:
+    value = a["loss_parallel"]
+    if not (isinstance(value, bool) or value == "auto"):
+        raise ValueError(
+            f"LLMParallelStrategy: `loss_parallel` must be True, False or 'auto', got {value!r}. 'auto' (the default)"
+            " keeps the LM head's logits split over the vocabulary under tensor parallelism and gathers them for ops"
+            " other than the cross-entropy; True refuses such ops."
+        )
+    if value is True and a["tensor_parallel"] == 1:
+        raise ValueError(
+            "LLMParallelStrategy: loss_parallel=True splits the LM head's logits over the tensor-parallel ranks, but"
+            " tensor_parallel=1. Set tensor_parallel > 1, or leave loss_parallel='auto'."
         )
 
 
@@ -193,6 +209,7 @@ def _check_backend(a: dict[str, Any]) -> tuple[dict[str, Any], CompressionConfig
 def validate_options(a: dict[str, Any]) -> StrategyOptions:
     """Check the strategy's keyword arguments ``a`` (names as in ``LLMParallelStrategy.__init__``)."""
     _check_degrees(a)
+    _check_loss_parallel(a)
     _check_context_parallel(a)
     pipeline = _check_pipeline(a)
     # The schedule's canonical name (names are case-insensitive): these split backward into input and weight passes.
@@ -226,4 +243,5 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
         count_tokens=count, context_parallel_mode=a["context_parallel_mode"], fused_optimizer=a["fused_optimizer"],
         sequence_parallel=a["sequence_parallel"], tp_plan=dict(a["tp_plan"] or {}), cpu_offload=a["cpu_offload"],
         expert_capacity_factor=a["expert_capacity_factor"], compile=a["compile"], start_method=a["start_method"],
+        loss_parallel=a["loss_parallel"],
     )

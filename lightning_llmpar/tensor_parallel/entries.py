@@ -43,6 +43,9 @@ class TPPlan:
     # Dropout modules inside such a part that see replicated activations (a LoRA adapter's on a column split's
     # input): the same mask on every rank.
     replicated_dropout: list[str] = field(default_factory=list)
+    # The LM heads (a Linear onto the vocabulary outside the blocks) the plan split by vocabulary: loss parallelism
+    # keeps their output split (see tensor_parallel.loss_parallel).
+    vocab_heads: list[str] = field(default_factory=list)
 
 
 def user_style(spec: Any, module: nn.Module, tp: int, name: str, pattern: str) -> tuple[PlanEntry, Packing | None]:

@@ -23,8 +23,10 @@ __all__ = ["LORA_SPLITS", "check_adapters", "check_ties", "plan_outside", "weigh
 LORA_SPLITS = (SplitLinear, SharedKVHeads)
 
 
-def plan_outside(model: nn.Module, tp: int, styles: dict[str, Any], claimed: set[str], stack_prefix: str | None) -> None:
-    """Outside the block stack: split the embedding and the LM head by vocabulary (``claimed``: the user's)."""
+def plan_outside(model: nn.Module, tp: int, styles: dict[str, Any], claimed: set[str], stack_prefix: str | None,
+                 vocab_heads: list[str] | None = None) -> None:
+    """Outside the block stack: split the embedding and the LM head by vocabulary (``claimed``: the user's); the
+    heads' names go to ``vocab_heads``."""
 
     def inside_stack(name: str) -> bool:
         return stack_prefix is not None and (name == stack_prefix or name.startswith(stack_prefix + "."))
@@ -42,6 +44,8 @@ def plan_outside(model: nn.Module, tp: int, styles: dict[str, Any], claimed: set
         if module.out_features == vocab:
             # The LM head: split the vocabulary and gather full logits so the user's loss is unchanged.
             styles[name] = SplitLinear("col", output=Replicate())
+            if vocab_heads is not None:
+                vocab_heads.append(name)
 
 def check_ties(model: nn.Module, styles: dict[str, Any]) -> None:
     """Refuse a plan that splits two tied parameters differently, which would untie them."""

@@ -117,7 +117,8 @@ class _Planner(MoEPlanning, AttentionPlanning):
                 self.styles.setdefault(first + "#in", PrepareFirstInput(Replicate(), TOKEN))
             if last in names:
                 self.styles.setdefault(last + "#out", GatherFirstOutput(TOKEN, Replicate()))
-        plan_outside(self.model, self.tp, self.styles, self.claimed, stack.prefix if stack is not None else None)
+        plan_outside(self.model, self.tp, self.styles, self.claimed, stack.prefix if stack is not None else None,
+                     self.result.vocab_heads)
         check_ties(self.model, self.styles)
         check_adapters(self.model, self.styles, self.result.packings)
         return self.result

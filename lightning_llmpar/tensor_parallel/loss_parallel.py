@@ -1,0 +1,275 @@
+"""Loss parallelism: the LM head's logits stay split over the vocabulary and the cross-entropy runs in parallel.
+
+With 128k-256k vocabularies the logits are the largest activation of a step. Under tensor parallelism the head
+is split by vocabulary rows anyway; gathering its output to the full vocabulary on every rank only so that the
+user's ``F.cross_entropy`` can read it costs ``tp`` times the memory. Here the head hands the training step a
+``DTensor`` sharded on its last dim instead, and the cross-entropy on it runs under torch's ``loss_parallel``
+(max and sum-of-exponentials all-reduced over the tensor-parallel ranks; nothing of vocabulary size is gathered).
+
+The user's step is arbitrary code, so the split logits are watched from the head's output to the end of the step
+(a ``TorchFunctionMode``, pushed only once the head has run, so the model's own forward runs untouched):
+
+- ``F.cross_entropy`` (``nn.CrossEntropyLoss``, transformers' causal-LM loss) on them: parallel, exact; the loss comes
+  back as a plain tensor, whole on every rank.
+- Any op DTensor computes that keeps the vocabulary split (``float()``, ``view(-1, V)``, slicing the sequence,
+  softcapping): the result is watched the same way.
+- Anything else (``argmax``, ``softmax``, a z-loss, mixing with plain tensors): that op gets the whole logits,
+  gathered for it (differentiably, as the head gathered them before), so the result is the one-process result. With
+  ``loss_parallel=True`` this is refused instead, naming the op, since it spends the memory the option saves;
+  ``'auto'`` warns once.
+- An in-place change of the split logits that DTensor cannot do is refused (a gathered copy would not carry it).
+
+At the end of the step whatever split logits the step returns are gathered whole, so nothing split leaves it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.overrides import TorchFunctionMode, _get_current_function_mode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_llmpar.tensor_parallel.styles import SplitLinear
+
+__all__ = ["LossParallel", "VocabParallelHead", "split_logits"]
+
+log = logging.getLogger(__name__)
+
+_VOCAB = "_llmpar_vocab"  # on a DTensor of split logits: the vocabulary size
+_CE = inspect.signature(F.cross_entropy)
+
+
+class LossParallel:
+    """The state shared by the strategy's step and the vocabulary-parallel heads: whether a training step is running
+    (the heads split their output only then), the watching mode once a head has run, and the policy for other uses
+    of the split logits (``strict``: refuse them; else gather the logits for them, warning once)."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.active = False
+        self._mode: _SplitLogitsMode | None = None
+        self._warned = False
+        # What the heads handed out split (for checks and benchmarks): steps, this rank's bytes of the last logits,
+        # and the ops that needed them gathered.
+        self.split_steps = 0
+        self.local_bytes = 0
+        self.gathered_ops: set[str] = set()
+
+    @contextmanager
+    def step(self) -> Iterator[Callable[[Any], Any]]:
+        """One training step: heads keep their output split. Yields what gathers split logits in the step's output
+        whole (for callbacks and hooks that read it), so nothing split leaves the step."""
+        self.active = True
+        try:
+            yield finish
+        finally:
+            self.active = False
+            mode, self._mode = self._mode, None
+            if mode is not None:
+                if _get_current_function_mode() is not mode:
+                    raise RuntimeError("loss parallelism: another torch function mode was left open inside the step")
+                mode.__exit__(None, None, None)
+
+    def watch(self, logits: DTensor) -> DTensor:
+        setattr(logits, _VOCAB, logits.shape[-1])
+        local = logits.to_local()
+        self.local_bytes = local.numel() * local.element_size()
+        if self._mode is None:
+            self.split_steps += 1
+            self._mode = _SplitLogitsMode(self)
+            self._mode.__enter__()
+        return logits
+
+    def gathered(self, what: str) -> None:
+        """An op needed the whole logits: refuse it (strict) or note it once."""
+        self.gathered_ops.add(what)
+        message = (
+            f"the training step computes `{what}` on the LM head's logits, which loss parallelism keeps split over the"
+            " vocabulary; it needs them whole, so they are gathered over the tensor-parallel ranks for it (the memory"
+            " loss parallelism saves is spent again)."
+        )
+        if self.strict:
+            raise ValueError(
+                f"loss_parallel=True: {message} Compute only the cross-entropy on the logits in the training step"
+                " (metrics such as accuracy in validation_step), or set loss_parallel='auto' to gather them where"
+                " such an op needs them, or loss_parallel=False."
+            )
+        if not self._warned:
+            self._warned = True
+            rank_zero_warn(f"loss_parallel='auto': {message} Set loss_parallel=False to gather them in the head.")
+
+
+@contextmanager
+def split_logits(owner: LossParallel | None) -> Iterator[Callable[[Any], Any]]:
+    """A training step with ``owner``'s heads splitting their logits (see ``LossParallel.step``); none: as it is."""
+    if owner is None:
+        yield lambda output: output
+        return
+    with owner.step() as done:
+        yield done
+
+
+def finish(output: Any) -> Any:
+    """The step's output with split logits gathered whole (for callbacks and hooks that read it)."""
+    return tree_map(lambda t: t.full_tensor() if _is_split(t) else t, output)
+
+
+def _is_split(x: Any) -> bool:
+    return isinstance(x, DTensor) and getattr(x, _VOCAB, None) is not None
+
+
+def _still_split(x: Any, vocab: int) -> bool:
+    """A DTensor with the vocabulary whole in one dim, split there and nowhere else."""
+    if not isinstance(x, DTensor) or len(x.placements) != 1 or not x.placements[0].is_shard():
+        return False
+    dim = x.placements[0].dim  # type: ignore[attr-defined]
+    return x.shape[dim] == vocab
+
+
+class _ParallelCrossEntropy(torch.autograd.Function):
+    """The parallel cross-entropy, with its backward under ``loss_parallel`` too, wherever autograd runs it (Lightning's
+    backward, manual_backward, a pipeline schedule): torch's handlers replace log-softmax's backward by a pass-through
+    that is only right while they are on."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: DTensor, target: Tensor, weight: Tensor | None, ignore_index: int,
+                reduction: str) -> DTensor:
+        with torch.enable_grad():
+            x = logits.detach().requires_grad_()
+            with _loss_ops():
+                loss = F.cross_entropy(x, target, weight, ignore_index=ignore_index, reduction=reduction)
+        ctx.x, ctx.loss = x, loss
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        with _loss_ops():
+            (dx,) = torch.autograd.grad(ctx.loss, ctx.x, grad)
+        ctx.x = ctx.loss = None
+        return dx, None, None, None, None
+
+
+@contextmanager
+def _loss_ops() -> Iterator[None]:
+    # torch's loss_parallel() does not turn its handlers off when the body raises: exit it normally in any case.
+    context = loss_parallel()
+    context.__enter__()
+    try:
+        yield
+    finally:
+        context.__exit__(None, None, None)
+
+
+def _parallel_cross_entropy(args: tuple, kwargs: dict) -> Tensor | None:
+    """``F.cross_entropy`` on split logits in parallel, or None where torch's loss_parallel does not apply."""
+    try:
+        bound = _CE.bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    a = bound.arguments
+    x, target, weight = a["input"], a["target"], a["weight"]
+    class_dim = 1 if x.dim() >= 2 else 0
+    if (a["size_average"] is not None or a["reduce"] is not None or a["label_smoothing"] != 0.0
+            or x.placements != (Shard(class_dim),) and x.placements != (Shard(class_dim - x.dim()),)
+            or not isinstance(target, Tensor) or isinstance(target, DTensor) or target.is_floating_point()
+            or isinstance(weight, DTensor) or a["reduction"] not in ("mean", "sum", "none")):
+        return None
+    if torch.is_grad_enabled() and x.requires_grad:
+        loss = _ParallelCrossEntropy.apply(x, target, weight, a["ignore_index"], a["reduction"])
+    else:
+        with _loss_ops():
+            loss = F.cross_entropy(x, target, weight, ignore_index=a["ignore_index"], reduction=a["reduction"])
+    return loss.to_local()  # replicated: the whole loss on every rank, a plain tensor for the user's code
+
+
+def _name(func: Any) -> str:
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    return name.replace("_TensorBase.", "Tensor.").replace("TensorBase.", "Tensor.")
+
+
+def _in_place(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+
+
+class _SplitLogitsMode(TorchFunctionMode):
+    """Watches every torch call on split logits until the step ends (see the module's docstring)."""
+
+    def __init__(self, owner: LossParallel) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        split = [a for a in flat if _is_split(a)]
+        if not split:
+            return func(*args, **kwargs)
+        vocab = getattr(split[0], _VOCAB)
+        if func is F.cross_entropy and _is_split(args[0] if args else kwargs.get("input")):
+            loss = _parallel_cross_entropy(args, kwargs)
+            if loss is not None:
+                return loss
+        if _in_place(func):
+            try:
+                return func(*args, **kwargs)
+            except Exception as err:
+                raise ValueError(
+                    f"The training step changes the LM head's logits in place with `{_name(func)}`, which cannot be"
+                    " done on logits split over the vocabulary (loss parallelism). Compute a new tensor instead"
+                    " (e.g. `logits = logits.masked_fill(...)`), or set loss_parallel=False."
+                ) from err
+        try:
+            out = func(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - DTensor has no rule for it, or it mixes DTensors with tensors: run it whole
+            return self._whole(func, args, kwargs)
+        gathered = False
+
+        def keep(t: Any) -> Any:
+            nonlocal gathered
+            if not isinstance(t, DTensor):
+                return t
+            if _still_split(t, vocab):
+                setattr(t, _VOCAB, vocab)
+                return t
+            gathered = True
+            return t.full_tensor()  # differentiable: its gradient comes back as this rank's part
+
+        out = tree_map(keep, out)
+        if gathered:
+            self.owner.gathered(_name(func))
+        return out
+
+    def _whole(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        self.owner.gathered(_name(func))
+        args, kwargs = tree_map(lambda t: t.full_tensor() if _is_split(t) else t, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+class VocabParallelHead(SplitLinear):
+    """The LM head split by vocabulary (column split). During a training step with loss parallelism its output stays
+    split (a DTensor sharded on the vocabulary, watched by ``owner``); otherwise it is gathered whole, as before."""
+
+    def __init__(self, owner: LossParallel) -> None:
+        super().__init__("col", output=Replicate())
+        self.owner = owner
+
+    def _prepare_output(self, module: nn.Module, output: DTensor, mesh: DeviceMesh) -> Tensor:
+        if self.owner.active and output.placements == (Shard(output.dim() - 1),):
+            return self.owner.watch(output)
+        return super()._prepare_output(module, output, mesh)
+
+    def __repr__(self) -> str:
+        return "VocabParallelHead(col, output=Shard(-1) in training steps, Replicate otherwise)"

@@ -1,0 +1,99 @@
+"""Packed documents: several documents in one row, attention kept inside each.
+
+Boundaries come as ``position_ids`` restarting at 0 at each document (Hugging Face's padding-free convention, its
+``DataCollatorWithFlattening``) or as ``document_ids`` (one id per token, equal within a document). A packed row then
+trains exactly as its documents would one per row with padding, provided attention is block-diagonal causal.
+
+- The example GPT builds that mask itself (``document_causal_mask``).
+- transformers models build it from ``position_ids`` only without a key/value cache (masking_utils'
+  ``find_packed_sequence_indices``); with the cache their config asks for (``use_cache=True``, the default) a packed
+  row attends across its documents. ``apply_document_masking`` makes training forwards of transformers models run
+  without one when they are given ``position_ids`` and no ``attention_mask``: a cache has no use in a training step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["apply_document_masking", "document_causal_mask", "document_ids_from_positions", "is_packed",
+           "positions_from_documents"]
+
+
+def document_ids_from_positions(position_ids: Tensor) -> Tensor:
+    """One id per token, a new one wherever the position restarts at 0. (Only a restart counts: a context-parallel
+    rank's positions jump between its two chunks of the sequence without starting a document.)"""
+    return (position_ids == 0).long().cumsum(-1)
+
+
+def positions_from_documents(document_ids: Tensor) -> Tensor:
+    """Each token's position within its document."""
+    index = torch.arange(document_ids.shape[-1], device=document_ids.device).expand_as(document_ids)
+    first = torch.ones_like(document_ids[..., :1], dtype=torch.bool)
+    starts = torch.cat([first, document_ids[..., 1:] != document_ids[..., :-1]], dim=-1)
+    return index - torch.where(starts, index, 0).cummax(-1).values
+
+
+def is_packed(position_ids: Tensor | None = None, document_ids: Tensor | None = None) -> bool:
+    """Whether a row holds more than one document."""
+    if document_ids is not None:
+        return bool((document_ids[..., 1:] != document_ids[..., :-1]).any())
+    if position_ids is None or position_ids.shape[-1] < 2:
+        return False
+    return bool((position_ids[..., 1:] == 0).any())
+
+
+def document_causal_mask(document_ids: Tensor) -> Tensor:
+    """Boolean (B, 1, T, T) mask, True where query i may attend key j: j <= i within i's document."""
+    same = document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)
+    length = document_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=document_ids.device).tril()
+    return (same & causal).unsqueeze(-3)
+
+
+def _is_transformers_model(module: nn.Module) -> bool:
+    return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel" for c in type(module).__mro__)
+
+
+def apply_document_masking(module: nn.Module) -> int:
+    """Training forwards of the transformers models in ``module`` given ``position_ids`` run without a key/value
+    cache, so transformers masks each packed document off the others; an all-ones ``attention_mask`` beside packed
+    positions is left out (with it transformers would not look for documents), one with padding refused. Returns how
+    many models got the hook."""
+
+    def hook(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        positions, mask = kwargs.get("position_ids"), kwargs.get("attention_mask")
+        if not model.training or positions is None or kwargs.get("past_key_values") is not None:
+            return None
+        if mask is not None:
+            if not (isinstance(mask, Tensor) and mask.dim() == 2 and is_packed(positions)):
+                return None
+            if not bool(mask.all()):
+                raise ValueError(
+                    "This batch packs several documents in a row (position_ids restarting at 0 inside it) and pads"
+                    " too (attention_mask has zeros); transformers masks packed documents only without an"
+                    " attention_mask, so they would attend across their boundaries. Pack without padding (labels -100"
+                    " where ignored) and leave attention_mask out, or pad one document per row."
+                )
+            kwargs = {k: v for k, v in kwargs.items() if k != "attention_mask"}  # all ones: it says nothing
+        return args, {**kwargs, "use_cache": False}
+
+    count = 0
+    for sub in module.modules():
+        if _is_transformers_model(sub) and "use_cache" in _forward_parameters(sub):
+            if not getattr(sub, "_llmpar_document_masking", False):  # once, whatever the number of set-ups
+                sub.register_forward_pre_hook(hook, with_kwargs=True)
+                sub._llmpar_document_masking = True
+            count += 1
+    return count
+
+
+def _forward_parameters(module: nn.Module) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return set()

@@ -1,0 +1,177 @@
+"""Loss parallelism: the LM head's logits split over the vocabulary, the cross-entropy parallel, exact against one
+process (fp32, SGD: losses every step and first-step gradients); other uses of the logits gathered or refused."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
+from torch.utils.data import TensorDataset
+
+from lightning_llmpar.data import ordered_loader
+from lightning_llmpar.models.gpt_module import GPTModule
+from tests.distributed import run_ranks
+from tests.zoo import Record, assert_exact, fit_cases
+
+VOCAB, SEQ, SAMPLES, BATCH = 96, 16, 48, 4
+
+
+class _GPT(GPTModule):
+    """The example GPT with SGD and, per ``extra``, something more done with the logits in the step."""
+
+    def __init__(self, extra: str = "") -> None:
+        super().__init__(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+        self.extra = extra
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        if self.extra == "accuracy":  # a metric on the logits: argmax over the vocabulary
+            self.log("train_acc", (logits.argmax(-1) == y).float().mean())
+        elif self.extra == "z_loss":  # PaLM's z-loss: the log-partition of every position, squared
+            loss = loss + 1e-2 * torch.logsumexp(logits, dim=-1).pow(2).mean()
+        elif self.extra == "in_place":  # masking one token out of the vocabulary in place
+            logits[..., 0] = -1e4
+        elif self.extra == "tokens":  # per-token losses, returned with the logits
+            per_token = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")
+            return {"loss": per_token.mean(), "logits": logits}
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class _Data(LightningDataModule):
+    def __init__(self, data: TensorDataset) -> None:
+        super().__init__()
+        self.data = data
+
+    def train_dataloader(self) -> Any:
+        return ordered_loader(self.data, BATCH, self.trainer.strategy)
+
+
+class _Seen(Callback):
+    """What the step returned (its logits whole?) and what loss parallelism did."""
+
+    def __init__(self) -> None:
+        self.outputs: list[str] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        if isinstance(outputs, dict) and "logits" in outputs:
+            logits = outputs["logits"]
+            self.outputs.append(f"{type(logits).__name__}{tuple(logits.shape)}")
+
+
+def _fit_gpt(extra: str, strategy_kwargs: dict[str, Any] | None, steps: int = 6) -> dict[str, Any]:
+    from lightning_llmpar import LLMParallelStrategy
+
+    seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=g)
+    data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    record, seen = Record(), _Seen()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = Trainer(
+        accelerator="cpu", devices=1 if strategy_kwargs is None else world,
+        strategy="auto" if strategy_kwargs is None else LLMParallelStrategy(**strategy_kwargs), max_steps=steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, callbacks=[record, seen],
+    )
+    module = _GPT(extra)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, datamodule=_Data(data))
+    backend = getattr(trainer.strategy, "sharding_backend", None)
+    owner = backend.parallelized.loss_parallel if backend is not None else None
+    return {"losses": record.losses, "grads": record.grads, "held": 0.0, "outputs": seen.outputs,
+            "split_steps": owner.split_steps if owner else 0, "local_bytes": owner.local_bytes if owner else 0,
+            "gathered": sorted(owner.gathered_ops) if owner else [],
+            "warnings": [str(w.message) for w in caught if "loss_parallel" in str(w.message)]}
+
+
+def _gpt_cases(cases: list[tuple[str, dict[str, Any] | None]]) -> dict[tuple[str, str], Any]:
+    import traceback
+
+    env = dict(os.environ)
+    out = {}
+    for extra, kwargs in cases:
+        os.environ.update(env)
+        try:
+            out[(extra, repr(kwargs))] = _fit_gpt(extra, kwargs)
+        except Exception:  # noqa: BLE001 - each case reports its own error
+            out[(extra, repr(kwargs))] = {"error": traceback.format_exc()}
+    return out
+
+
+TP2 = {"tensor_parallel": 2}
+STRICT = {"tensor_parallel": 2, "loss_parallel": True}
+OFF = {"tensor_parallel": 2, "loss_parallel": False}
+
+
+def test_example_gpt_loss_parallel_exact_and_other_uses_of_the_logits() -> None:
+    extras = ["", "accuracy", "z_loss", "tokens"]
+    refs = run_ranks(_gpt_cases, 1, [(e, None) for e in extras])[0]
+    cases = [("", STRICT), ("", OFF), ("accuracy", TP2), ("z_loss", TP2), ("tokens", STRICT), ("accuracy", STRICT),
+             ("in_place", TP2)]
+    outs = run_ranks(_gpt_cases, 2, cases, timeout=600)
+    get = [o[("", repr(STRICT))] for o in outs]
+    # The plain cross-entropy: split, exact, and each rank held half of the logits (4 x 16 x 96 fp32 = 24 KiB whole).
+    assert_exact(refs[("", "None")], get, sharded=False)
+    assert [o["split_steps"] for o in get] == [6, 6] and all(o["local_bytes"] == BATCH * SEQ * VOCAB * 4 // 2 for o in get)
+    assert all(not o["gathered"] and not o["warnings"] for o in get)
+    off = [o[("", repr(OFF))] for o in outs]
+    assert_exact(refs[("", "None")], off, sharded=False)
+    assert all(o["split_steps"] == 0 for o in off)
+    # Other ops on the logits ('auto'): gathered for them, exact, one warning naming the op.
+    for extra, op in [("accuracy", "argmax"), ("z_loss", "logsumexp")]:
+        runs = [o[(extra, repr(TP2))] for o in outs]
+        assert_exact(refs[(extra, "None")], runs, sharded=False)
+        assert all(any(op in g for g in o["gathered"]) for o in runs), [o["gathered"] for o in runs]
+        assert len(runs[0]["warnings"]) == 1 and op in runs[0]["warnings"][0] and not runs[1]["warnings"]  # rank 0's
+    # Per-token losses with the classes in dim 1 stay parallel; the logits the step returns come out whole.
+    tokens = [o[("tokens", repr(STRICT))] for o in outs]
+    assert_exact(refs[("tokens", "None")], tokens, sharded=False)
+    assert all(o["outputs"][0] == f"Tensor({BATCH}, {SEQ}, {VOCAB})" for o in tokens), tokens[0]["outputs"]
+    # loss_parallel=True refuses what would gather the logits, naming the op; an in-place change is refused always.
+    for extra, kw, words in [("accuracy", STRICT, ["loss_parallel=True", "argmax", "loss_parallel='auto'"]),
+                             ("in_place", TP2, ["in place", "__setitem__", "loss_parallel=False"])]:
+        errors = [o[(extra, repr(kw))].get("error", "") for o in outs]
+        assert all(all(w in e for w in words) for e in errors), errors[0][-2000:]
+
+
+ZOO = ["llama", "gpt2", "gemma_mqa", "mixtral"]  # GPT-2: 65 tokens over 2 ranks; Gemma: embedding tied to the head
+
+
+def test_zoo_families_exact_with_loss_parallel_at_tp2() -> None:
+    refs = run_ranks(fit_cases, 1, [(m, None, 8) for m in ZOO], timeout=600)[0]
+    outs = run_ranks(fit_cases, 2, [(m, STRICT, 8) for m in ZOO], timeout=900)
+    for m in ZOO:
+        assert_exact(refs[(m, "None")], [o[(m, repr(STRICT))] for o in outs])
+
+
+def test_loss_parallel_option_is_checked() -> None:
+    from lightning_llmpar import LLMParallelStrategy
+
+    with pytest.raises(ValueError, match="loss_parallel=True splits .* tensor_parallel=1"):
+        LLMParallelStrategy(loss_parallel=True)
+    with pytest.raises(ValueError, match="must be True, False or 'auto', got 'yes'"):
+        LLMParallelStrategy(tensor_parallel=2, loss_parallel="yes")
+
+
+FOUR = {"tp2-pp2": {"tensor_parallel": 2, "pipeline_parallel": 2, "loss_parallel": True},
+        "dp2-tp2-zero3": {"tensor_parallel": 2, "zero_stage": 3, "loss_parallel": True},
+        "cp2-tp2": {"tensor_parallel": 2, "context_parallel": 2, "loss_parallel": True}}
+
+
+def test_loss_parallel_with_pipeline_zero_and_context_parallelism() -> None:
+    cases = [("llama_tied", FOUR["tp2-pp2"], 8), ("llama", FOUR["dp2-tp2-zero3"], 4), ("llama", FOUR["cp2-tp2"], 8)]
+    refs = run_ranks(fit_cases, 1, [("llama", None, 8), ("llama_tied", None, 8)], timeout=600)[0]
+    outs = run_ranks(fit_cases, 4, cases, timeout=900)
+    for name, kwargs, _ in cases:
+        assert_exact(refs[(name, "None")], [o[(name, repr(kwargs))] for o in outs], sharded=False)
