@@ -88,6 +88,11 @@ class ShardingBackend:
     def write_checkpoint(self, folder: Path, meta: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    def checkpoint_state(self, folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
+        """For a background save: write this rank's small side files into ``folder`` now and return the DCP state
+        dict the background write takes (what ``write_checkpoint`` writes, less ``meta``)."""
+        raise NotImplementedError(f"the {self.name} backend writes checkpoints synchronously only")
+
     def load_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -295,6 +300,14 @@ class FSDP2Backend(ShardingBackend):
         )
         if self.compression is not None:  # per-rank: every rank's residuals differ
             self.compression.save(folder, s.global_rank)
+
+    def checkpoint_state(self, folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
+        s = self.strategy
+        assert s.model is not None
+        if self.compression is not None:  # small and per rank: written now, before the background write starts
+            self.compression.save(folder, s.global_rank)
+        optimizers = self._raw_optimizers() if meta["llmpar_optimizer_state"] else []
+        return ckpt._tensor_state(s.model, optimizers, self.aliases(), self.parallelized.packings)
 
     def load_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         s = self.strategy

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_llmpar.checkpointing import dcp as ckpt
+from lightning_llmpar.checkpointing.async_save import AsyncSaveHooks
 from lightning_llmpar.context_parallel import ContextParallel
 from lightning_llmpar.data_parallel.backend import FSDP2Backend, ShardingBackend
 from lightning_llmpar.data_parallel.deepspeed import DeepSpeedBackend
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LLMParallelStrategy"]
 
-class LLMParallelStrategy(MeshStrategy):
+class LLMParallelStrategy(AsyncSaveHooks, MeshStrategy):
     """Tensor, data (ZeRO 0-3, hybrid) and sequence parallelism for any LightningModule on one device mesh.
 
     Args:
@@ -96,6 +97,7 @@ class LLMParallelStrategy(MeshStrategy):
             the rest are dropped (logged as moe/dropped_tokens). None (default): no token is dropped.
         compile: ``torch.compile`` each block of the model's block stack (in place, per block, as torchtitan).
         fused_optimizer: step Adam/AdamW with torch's fused kernel where the optimizer left the choice to torch.
+        async_checkpoint: write checkpoints saved during fit in the background (see docs/fault-tolerance.md).
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
     """
 
@@ -133,6 +135,7 @@ class LLMParallelStrategy(MeshStrategy):
         expert_capacity_factor: float | None = None,
         compile: bool = False,
         fused_optimizer: bool = True,
+        async_checkpoint: bool = False,
         start_method: START_METHODS = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -317,9 +320,7 @@ class LLMParallelStrategy(MeshStrategy):
     def pipeline_runner(self) -> PipelineRunner | None:
         return self._backend.runner
 
-    @property
-    def _runner(self) -> PipelineRunner | None:
-        return self._backend.runner
+    _runner = pipeline_runner
 
     @property
     def engine(self) -> Any:
@@ -338,7 +339,7 @@ class LLMParallelStrategy(MeshStrategy):
     @property
     def tied_aliases(self) -> dict[str, str]:
         """Copies of tied weights on pipeline stages: local name -> the name one process gives the weight."""
-        return self._aliases()
+        return self._backend.aliases()
 
     @contextmanager
     @override
@@ -368,9 +369,6 @@ class LLMParallelStrategy(MeshStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # loaded in `load_checkpoint`
 
-    def _aliases(self) -> dict[str, str]:
-        return self._backend.aliases()
-
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
@@ -380,6 +378,8 @@ class LLMParallelStrategy(MeshStrategy):
         meta["llmpar_layout"] = str(self.layout)
         # Lightning leaves optimizer state out of weights-only checkpoints (ModelCheckpoint(save_weights_only=True)).
         meta["llmpar_optimizer_state"] = "optimizer_states" in checkpoint
+        if self._save_in_background(path, lambda staging: self._backend.checkpoint_state(staging, meta), meta):
+            return
         ckpt.write_atomically(
             path, lambda staging: self._backend.write_checkpoint(staging, meta), is_rank_zero=self.is_global_zero,
             barrier=self.barrier,
@@ -391,6 +391,7 @@ class LLMParallelStrategy(MeshStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
+        self._wait_for_saves()  # it may be the one being written
         if self.is_global_zero:
             path = Path(filepath)
             if path.is_dir():

@@ -36,6 +36,7 @@ class StrategyOptions:
     count_tokens: Callable[[Any], int] | None = None
     context_parallel_mode: str = "ring"
     fused_optimizer: bool = True
+    async_checkpoint: bool = False
 
 
 def positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
@@ -54,7 +55,7 @@ def _check_degrees(a: dict[str, Any]) -> None:
         positive_int("data_parallel_replicate", a["data_parallel_replicate"], allow_auto=True)
     if a["zero_stage"] not in ZERO_STAGES:
         raise ValueError(f"LLMParallelStrategy: `zero_stage` must be one of {ZERO_STAGES}, got {a['zero_stage']!r}.")
-    for name in ("sequence_parallel", "cpu_offload", "pipeline_check", "compile", "fused_optimizer"):
+    for name in ("sequence_parallel", "cpu_offload", "pipeline_check", "compile", "fused_optimizer", "async_checkpoint"):
         if not isinstance(a[name], bool):
             raise ValueError(f"LLMParallelStrategy: `{name}` must be True or False, got {a[name]!r}.")
     if a["cpu_offload"] and a["zero_stage"] == 0:
@@ -180,6 +181,12 @@ def _check_backend(a: dict[str, Any]) -> tuple[dict[str, Any], CompressionConfig
             "loss_normalization='tokens' rescales gradients before the optimizer step, which the DeepSpeed engine"
             " takes itself; use it with sharding_backend='fsdp2' (the default)."
         )
+    if a["async_checkpoint"]:
+        raise ValueError(
+            "async_checkpoint=True writes checkpoints with torch's distributed checkpoint (DCP) in the background; the"
+            " DeepSpeed engine writes its own checkpoints synchronously. Use sharding_backend='fsdp2' (the default)"
+            " with async_checkpoint=True, or async_checkpoint=False."
+        )
     return deepspeed, None
 
 
@@ -214,4 +221,5 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
                                  "zero_stage", "context_parallel", "expert_parallel")}
     count = None if norm == "mean" else count_target_tokens if norm == "tokens" else norm
     return StrategyOptions(degrees, pipeline, a["sharding_backend"], compression, deepspeed, hf, litgpt, stack,
-                           a["pipeline_check"], count, a["context_parallel_mode"], a["fused_optimizer"])
+                           a["pipeline_check"], count, a["context_parallel_mode"], a["fused_optimizer"],
+                           a["async_checkpoint"])

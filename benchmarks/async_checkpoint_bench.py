@@ -1,0 +1,269 @@
+"""Background checkpoint saves (``async_checkpoint=True``): the training stall per checkpoint against synchronous
+saves, and kill -9 trials while background writes are in flight.
+
+Run from the repository root:  python -m benchmarks.async_checkpoint_bench [--runs 5 --kills 4] [--part stall|kill]
+Writes benchmarks/results/async_checkpoint.json. Every run is 2 ranks on gloo started by torchrun; a killed rank
+makes torchrun restart the job (``--max-restarts``), which resumes from the newest committed checkpoint.
+
+- Stall: a stack of 9 Linear(2048, 2048) layers under ZeRO-3 on 2 ranks (227 MB of parameters and Adam state per
+  rank), a checkpoint every 3 steps; the stall is the time ``trainer.save_checkpoint`` blocks the training loop
+  (the checkpoint callback's save, timed), synchronous and background, in one invocation.
+- Kill trials: a smaller stack (4 x Linear(1024, 1024), 25 MB per rank) training 20 steps, saving every 2. In each of
+  the first ``--kills`` launches of a run a random rank kills itself with SIGKILL 0-0.4 s after the first or second
+  save of that launch began (whether the write was still in flight is recorded); torchrun restarts the job, which
+  resumes. Each run must end equal to the uninterrupted run (final weights bit for bit, the samples of every step)
+  and see each sample of the epoch once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+OUT = Path(__file__).parent / "results" / "async_checkpoint.json"
+MODELS = {"big": (2048, 9, 4), "small": (1024, 4, 4)}  # width, layers, samples per rank and step
+SAMPLES = 96
+
+
+# ----------------------------------------------------------------------------------------------- worker (one rank)
+
+
+class _Samples(Dataset):
+    def __init__(self, width: int) -> None:
+        g = torch.Generator().manual_seed(11)
+        self.x, self.y = torch.randn(SAMPLES, width, generator=g), torch.randn(SAMPLES, width, generator=g)
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+def _module(width: int, layers: int, out: Path) -> Any:
+    from lightning.pytorch import LightningModule
+
+    class Stack(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y, ids = batch
+            with open(out / f"seen_rank{self.global_rank}.jsonl", "a") as f:
+                f.write(json.dumps({"step": self.trainer.global_step, "ids": ids.tolist()}) + "\n")
+            return nn.functional.mse_loss(self(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    return Stack()
+
+
+def _killer(out: Path, seed: int, kills: int) -> Any:
+    """In each of the first ``kills`` launches of a run: on a random rank, SIGKILL a random delay after the first or
+    second save of the launch began."""
+    from lightning.pytorch import Callback
+
+    launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rng = random.Random(seed * 100 + launch)
+    victim, save_index, delay = rng.randrange(2), rng.randrange(1, 3), rng.uniform(0.0, 0.4)
+
+    class Killer(Callback):
+        saves = 0
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            staging = trainer.strategy.checkpoint_in_flight
+            if staging is None or staging == getattr(self, "_seen", None):
+                return
+            self._seen, self.saves = staging, self.saves + 1
+            if self.saves == save_index and trainer.global_rank == victim and launch < kills:
+                threading.Timer(delay, self._kill, (trainer, staging)).start()
+
+        @staticmethod
+        def _kill(trainer: Any, staging: Path) -> None:
+            in_flight = trainer.strategy.checkpoint_in_flight == staging and staging.exists()
+            record = {"launch": launch, "rank": trainer.global_rank, "step": trainer.global_step, "save": staging.name,
+                      "delay_s": round(delay, 3), "in_flight": in_flight}
+            with open(out / "kills.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return Killer()
+
+
+def worker(args: argparse.Namespace) -> None:
+    from lightning.pytorch import Trainer, seed_everything
+
+    from lightning_llmpar import LLMParallelStrategy
+    from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint
+    from lightning_llmpar.fault_tolerance.sampler import ResumableDistributedSampler
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    width, layers, batch = MODELS[args.model]
+    stalls: list[float] = []
+
+    class TimedCheckpoint(FaultTolerantCheckpoint):
+        def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+            start = time.perf_counter()
+            super()._save_checkpoint(trainer, filepath)
+            stalls.append(time.perf_counter() - start)
+
+    seed_everything(0, verbose=False)
+    module = _module(width, layers, out)
+    callbacks: list[Any] = [TimedCheckpoint(str(out / "ckpt"), every_n_train_steps=args.save_every, keep_last=2)]
+    if args.kill_seed is not None:
+        callbacks.append(_killer(out, args.kill_seed, args.kills))
+    strategy = LLMParallelStrategy(zero_stage=3, async_checkpoint=args.background)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                      callbacks=callbacks)
+    data = _Samples(width)
+    sampler = ResumableDistributedSampler(data, shuffle=True, seed=5, num_replicas=2, rank=int(os.environ["RANK"]))
+    start = time.perf_counter()
+    trainer.fit(module, DataLoader(data, batch_size=batch, sampler=sampler, drop_last=True), ckpt_path="last")
+    fit_s = time.perf_counter() - start
+    weights = {n: p.full_tensor().detach().clone() for n, p in module.named_parameters()}
+    if trainer.global_rank == 0:
+        torch.save(weights, out / "final.pt")
+        state_mb = sum(t.numel() * 4 * 3 for t in weights.values()) / 2 / 1e6  # weights + Adam's two moments, / 2 ranks
+        (out / "timing.json").write_text(json.dumps({"stalls_s": stalls, "fit_s": fit_s, "state_mb_per_rank": state_mb}))
+
+
+# ----------------------------------------------------------------------------------------------- driver
+
+
+def _torchrun(out: Path, *flags: str, restarts: int = 0, timeout: float = 900) -> float:
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", str(restarts), "--monitor-interval", "0.5", "-m", "benchmarks.async_checkpoint_bench",
+               "--worker", "--out", str(out), *flags]
+    start = time.perf_counter()
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
+    return time.perf_counter() - start
+
+
+def _committed(out: Path) -> dict[str, list[int]]:
+    """(rank, step) -> sample ids of the step that counted: a step replayed after a restart overwrites."""
+    seen: dict[str, list[int]] = {}
+    for rank in (0, 1):
+        for line in (out / f"seen_rank{rank}.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            seen[f"{rank}:{record['step']}"] = record["ids"]
+    return seen
+
+
+def _same_run(run: Path, ref: Path, steps: int, per_step: int) -> dict[str, bool]:
+    a, b = torch.load(run / "final.pt"), torch.load(ref / "final.pt")
+    seen = _committed(run)
+    epoch = sorted(i for key, ids in seen.items() if int(key.split(":")[1]) < SAMPLES // per_step for i in ids)
+    return {"weights_identical": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b),
+            "samples_of_every_step_identical": seen == _committed(ref),
+            "each_sample_once": epoch == sorted(set(epoch)) and len(epoch) == min(steps * per_step, SAMPLES)}
+
+
+def stall(root: Path, steps: int, every: int, rounds: int) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {"synchronous": [], "background": []}
+    for r in range(rounds):  # alternated, so both see the same load on a shared machine
+        for name, flags in (("synchronous", []), ("background", ["--background"])):
+            out = root / f"stall_{name}_{r}"
+            _torchrun(out, "--model", "big", "--steps", str(steps), "--save-every", str(every), *flags)
+            runs[name].append(json.loads((out / "timing.json").read_text()))
+            shutil.rmtree(out, ignore_errors=True)
+    result: dict[str, Any] = {"state_mb_per_rank": round(runs["synchronous"][0]["state_mb_per_rank"], 1),
+                              "checkpoints_per_run": len(runs["synchronous"][0]["stalls_s"]), "runs_each": rounds}
+    for name, rows in runs.items():
+        later = [s for row in rows for s in row["stalls_s"][1:]]  # the first allocates the staging buffers
+        result[name] = {"stall_s_median": round(statistics.median(later), 3),
+                        "stall_s_first_save": [round(row["stalls_s"][0], 3) for row in rows],
+                        "stalls_s": [[round(s, 3) for s in row["stalls_s"]] for row in rows],
+                        "fit_s": [round(row["fit_s"], 2) for row in rows]}
+    result["async_stall_over_sync_save"] = round(
+        result["background"]["stall_s_median"] / result["synchronous"]["stall_s_median"], 3)
+    result["target"] = "async stall <= 0.2 x synchronous save time"
+    result["target_met"] = result["async_stall_over_sync_save"] <= 0.2
+    return result
+
+
+def kill_trials(root: Path, runs: int, kills: int, steps: int, every: int) -> dict[str, Any]:
+    _, _, per_rank = MODELS["small"]
+    ref = root / "kill_reference"
+    flags = ["--model", "small", "--steps", str(steps), "--save-every", str(every), "--background"]
+    ref_s = _torchrun(ref, *flags)
+    rows = []
+    for run in range(runs):
+        out = root / f"run{run}"
+        seconds = _torchrun(out, *flags, "--kill-seed", str(1000 + run), "--kills", str(kills), restarts=kills)
+        killed = [json.loads(line) for line in (out / "kills.jsonl").read_text().splitlines()]
+        checks = _same_run(out, ref, steps, 2 * per_rank)
+        row = {"run": run, "kills": killed, **checks, "passed": len(killed) == kills and all(checks.values()),
+               "wall_s": round(seconds, 1), "partial_left": sorted(p.name for p in (out / "ckpt").glob(".*.partial"))}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+    kill_rows = [k for r in rows for k in r["kills"]]
+    return {"kills": len(kill_rows), "runs": runs, "kills_per_run": kills, "runs_passed": sum(r["passed"] for r in rows),
+            "kills_in_passed_runs": sum(len(r["kills"]) for r in rows if r["passed"]),
+            "killed_while_write_in_flight": sum(k["in_flight"] for k in kill_rows),
+            "uninterrupted_run_s": round(ref_s, 1), "run_with_kills_s": [r["wall_s"] for r in rows],
+            "steps": steps, "save_every": every, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--model", choices=list(MODELS), default="small")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--save-every", type=int, default=3)
+    parser.add_argument("--background", action="store_true")
+    parser.add_argument("--kill-seed", type=int)
+    parser.add_argument("--kills", type=int, default=4, help="kills per run (each followed by a restart)")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--part", choices=["all", "stall", "kill"], default="all")
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    root = Path(tempfile.mkdtemp(prefix="llmpar-async-", dir=os.environ.get("BENCH_DIR", "/var/tmp")))
+    result: dict[str, Any] = json.loads(OUT.read_text()) if OUT.exists() and args.part != "all" else {}
+    result["machine"] = f"{os.cpu_count()} CPU cores, gloo, torch {torch.__version__}; checkpoints on {root}"
+    if args.part in ("all", "stall"):
+        result["stall"] = stall(root, steps=15, every=3, rounds=args.rounds)
+        print(json.dumps(result["stall"]), flush=True)
+    if args.part in ("all", "kill"):
+        result["kill_trials"] = kill_trials(root, args.runs, args.kills, steps=20, every=2)
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "kill_trials"}), f"-> {OUT}")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
