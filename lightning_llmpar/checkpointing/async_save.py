@@ -15,6 +15,7 @@ first waits for the previous one. Every rank learns, at the same step, whether a
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from lightning_llmpar.checkpointing.dcp import META_FILE, commit_staging, prepare_staging
@@ -145,8 +145,8 @@ class AsyncCheckpointer:
         pending, self._pending = self._pending, None
         if pending is not None:
             error = _exception(pending.done)
-            if error is not None:
-                rank_zero_warn(f"Checkpoint {pending.path} was not saved: {type(error).__name__}: {error}")
+            if error is not None:  # every rank says what went wrong with its own write
+                warnings.warn(f"Checkpoint {pending.path} was not saved: {type(error).__name__}: {error}", stacklevel=2)
 
     def close(self) -> None:
         self.abandon()
@@ -158,7 +158,8 @@ class AsyncCheckpointer:
 
     def _fail(self, pending: _Save) -> None:
         self._pending = None
-        error = _exception(pending.done)
+        # Not waited for: when another rank failed, this rank's write may still be running.
+        error = _exception(pending.done) if pending.done.done() else None
         where = f"{type(error).__name__}: {error}" if error is not None else "it failed on another rank"
         raise CheckpointWriteError(
             f"Checkpoint {pending.path} was not saved ({where}). The previous checkpoints are untouched; its staging"
