@@ -133,3 +133,15 @@ def test_async_checkpoint_options_are_checked() -> None:
         LLMParallelStrategy(sharding_backend="deepspeed", async_checkpoint=True)
     with pytest.raises(ValueError, match="`async_checkpoint` must be True or False, got 'yes'"):
         LLMParallelStrategy(async_checkpoint="yes")  # type: ignore[arg-type]
+
+
+def test_async_checkpoint_from_yaml() -> None:
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_subclass_arguments(LLMParallelStrategy, "strategy")
+    config = parser.parse_string(
+        "strategy: {class_path: lightning_llmpar.LLMParallelStrategy, init_args: {zero_stage: 3, async_checkpoint: true}}"
+    )
+    strategy = parser.instantiate_classes(config).strategy
+    assert strategy.options.async_checkpoint and strategy.checkpoint_in_flight is None
