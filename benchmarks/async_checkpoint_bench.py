@@ -2,16 +2,17 @@
 saves, and kill -9 trials while background writes are in flight.
 
 Run from the repository root:  python -m benchmarks.async_checkpoint_bench [--runs 2 --kills 10] [--part stall|kill]
-Writes benchmarks/results/async_checkpoint.json. Every run is 2 ranks on gloo started by torchrun; a killed rank
-makes torchrun restart the job (``--max-restarts``), which resumes from the newest committed checkpoint.
+Writes benchmarks/results/async_checkpoint.json. Every run is 2 ranks on gloo: the stall runs are started by torchrun;
+in the kill trials a killed rank makes the driver kill its peer and start the job again on a fresh port (as torchrun
+``--max-restarts`` or a cluster requeue would), and the job resumes from the newest committed checkpoint.
 
 - Stall: a stack of 9 Linear(2048, 2048) layers under ZeRO-3 on 2 ranks (227 MB of parameters and Adam state per
   rank), a checkpoint every 3 steps; the stall is the time ``trainer.save_checkpoint`` blocks the training loop
   (the checkpoint callback's save, timed), synchronous and background, in one invocation.
 - Kill trials: a smaller stack (4 x Linear(1024, 1024), 25 MB per rank) training 24 steps, saving every 2. In each of
   the first ``--kills`` launches of a run a random rank kills itself with SIGKILL 0-0.25 s after the first or second
-  save of that launch was handed to the background (whether the write was still in flight is recorded); torchrun restarts the job, which
-  resumes. Each run must end equal to the uninterrupted run (final weights bit for bit, the samples of every step)
+  save of that launch was handed to the background (whether the write was still in flight is recorded); the job is
+  started again and resumes. Each run must end equal to the uninterrupted run (final weights bit for bit, the samples of every step)
   and see each sample of the epoch once.
 """
 
@@ -23,6 +24,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -86,7 +88,7 @@ class _Killer:
     second save of the launch was handed to the background."""
 
     def __init__(self, out: Path, seed: int, kills: int) -> None:
-        self.out, self.launch = out, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.out, self.launch = out, int(os.environ.get("BENCH_LAUNCH", "0"))
         rng = random.Random(seed * 100 + self.launch)
         self.victim, self.save_index, self.delay = rng.randrange(2), rng.randrange(1, 3), rng.uniform(0.0, 0.25)
         self.armed, self.saves = self.launch < kills, 0
@@ -163,6 +165,34 @@ def _torchrun(out: Path, *flags: str, restarts: int = 0, timeout: float = 2400) 
     return time.perf_counter() - start
 
 
+def _restarting(out: Path, flags: list[str], restarts: int, timeout: float = 2400) -> int:
+    """Start 2 ranks; when one dies, kill the other and start the job again (as torchrun --max-restarts or a
+    cluster requeue would), on a fresh port. Returns how many launches failed."""
+    deadline = time.monotonic() + timeout
+    for launch in range(restarts + 1):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0",
+               "GROUP_RANK": "0", "BENCH_LAUNCH": str(launch)}
+        with open(out / f"launch{launch}.log", "w") as log:
+            ranks = [subprocess.Popen([sys.executable, "-m", "benchmarks.async_checkpoint_bench", "--worker", "--out",
+                                       str(out), *flags], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                      stdout=log, stderr=subprocess.STDOUT) for r in range(2)]
+            while any(p.poll() is None for p in ranks) and all(p.poll() in (None, 0) for p in ranks):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        if all(p.returncode == 0 for p in ranks):
+            return launch
+    raise RuntimeError(f"{out}: the job did not finish within {restarts} restarts")
+
+
 def _committed(out: Path) -> dict[str, list[int]]:
     """(rank, step) -> sample ids of the step that counted: a step replayed after a restart overwrites."""
     seen: dict[str, list[int]] = {}
@@ -206,33 +236,47 @@ def stall(root: Path, steps: int, every: int, rounds: int) -> dict[str, Any]:
     return result
 
 
+def _kill_run(root: Path, run: int, kills: int, flags: list[str], ref: Path, steps: int, per_step: int) -> dict[str, Any]:
+    out = root / f"run{run}"
+    out.mkdir(parents=True)
+    start = time.perf_counter()
+    try:
+        failed = _restarting(out, [*flags, "--kill-seed", str(1000 + run), "--kills", str(kills)], restarts=kills)
+        checks: dict[str, Any] = _same_run(out, ref, steps, per_step)
+    except RuntimeError as err:  # a run that did not finish is a failed run
+        failed, checks = -1, {"error": str(err)}
+    kills_file = out / "kills.jsonl"
+    killed = [json.loads(line) for line in kills_file.read_text().splitlines()] if kills_file.exists() else []
+    row = {"run": run, "kills": killed, "failed_launches": failed, **checks,
+           "passed": len(killed) == kills == failed and all(v is True for v in checks.values()),
+           "wall_s": round(time.perf_counter() - start, 1),
+           "partial_left": sorted(p.name for p in (out / "ckpt").glob(".*.partial"))}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def kill_trials(root: Path, runs: int, kills: int, steps: int, every: int) -> dict[str, Any]:
     _, _, per_rank = MODELS["small"]
     ref = root / "kill_reference"
+    ref.mkdir(parents=True)
     flags = ["--model", "small", "--steps", str(steps), "--save-every", str(every), "--background"]
-    ref_s = _torchrun(ref, *flags)
-    rows = []
-    for run in range(runs):
-        out = root / f"run{run}"
-        start = time.perf_counter()
-        try:
-            _torchrun(out, *flags, "--kill-seed", str(1000 + run), "--kills", str(kills), restarts=kills)
-            checks: dict[str, Any] = _same_run(out, ref, steps, 2 * per_rank)
-        except (RuntimeError, subprocess.TimeoutExpired) as err:  # a run that did not finish is a failed run
-            checks = {"error": str(err)[-2000:]}
-        kills_file = out / "kills.jsonl"
-        killed = [json.loads(line) for line in kills_file.read_text().splitlines()] if kills_file.exists() else []
-        row = {"run": run, "kills": killed, **checks, "passed": len(killed) == kills and all(v is True for v in checks.values()),
-               "wall_s": round(time.perf_counter() - start, 1),
-               "partial_left": sorted(p.name for p in (out / "ckpt").glob(".*.partial"))}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        shutil.rmtree(out, ignore_errors=True)
+    start = time.perf_counter()
+    _restarting(ref, flags, restarts=0)
+    ref_s = time.perf_counter() - start
+    # The runs go side by side: on a shared machine each job's launches are mostly waiting for a core.
+    rows: list[dict[str, Any]] = [{}] * runs
+    threads = [threading.Thread(target=lambda r=r: rows.__setitem__(r, _kill_run(root, r, kills, flags, ref, steps,
+                                                                                   2 * per_rank))) for r in range(runs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     kill_rows = [k for r in rows for k in r["kills"]]
     return {"kills": len(kill_rows), "runs": runs, "kills_per_run": kills, "runs_passed": sum(r["passed"] for r in rows),
             "kills_in_passed_runs": sum(len(r["kills"]) for r in rows if r["passed"]),
             "killed_while_write_in_flight": sum(k["in_flight"] for k in kill_rows),
             "uninterrupted_run_s": round(ref_s, 1), "run_with_kills_s": [r["wall_s"] for r in rows],
+            "launcher": "2 rank processes per launch; when one dies the other is killed and the job relaunched on a fresh port",
             "steps": steps, "save_every": every, "rows": rows}
 
 
