@@ -12,8 +12,8 @@ in the kill trials a killed rank makes the driver kill its peer and start the jo
 - Kill trials: a smaller stack (4 x Linear(1024, 1024), 25 MB per rank) training 24 steps, saving every 2. In each of
   the first ``--kills`` launches of a run a random rank kills itself with SIGKILL 0-0.25 s after the first or second
   save of that launch was handed to the background (whether the write was still in flight is recorded); the job is
-  started again and resumes. Each run must end equal to the uninterrupted run (final weights bit for bit, the samples of every step)
-  and see each sample of the epoch once.
+  started again and resumes. Each run must end equal to the uninterrupted run (final weights bit for bit, the samples
+  of every step) and see each sample of each epoch once.
 """
 
 from __future__ import annotations
