@@ -146,7 +146,8 @@ def worker(args: argparse.Namespace) -> None:
     if trainer.global_rank == 0:
         torch.save(weights, out / "final.pt")
         state_mb = sum(t.numel() * 4 * 3 for t in weights.values()) / 2 / 1e6  # weights + Adam's two moments, / 2 ranks
-        (out / "timing.json").write_text(json.dumps({"stalls_s": stalls, "fit_s": fit_s, "state_mb_per_rank": state_mb}))
+        timing = {"stalls_s": stalls, "fit_s": fit_s, "state_mb_per_rank": state_mb}
+        (out / "timing.json").write_text(json.dumps(timing))
 
 
 # ----------------------------------------------------------------------------------------------- driver
@@ -236,7 +237,9 @@ def stall(root: Path, steps: int, every: int, rounds: int) -> dict[str, Any]:
     return result
 
 
-def _kill_run(root: Path, run: int, kills: int, flags: list[str], ref: Path, steps: int, per_step: int) -> dict[str, Any]:
+def _kill_run(
+    root: Path, run: int, kills: int, flags: list[str], ref: Path, steps: int, per_step: int
+) -> dict[str, Any]:
     out = root / f"run{run}"
     out.mkdir(parents=True)
     start = time.perf_counter()
@@ -272,11 +275,12 @@ def kill_trials(root: Path, runs: int, kills: int, steps: int, every: int) -> di
     for t in threads:
         t.join()
     kill_rows = [k for r in rows for k in r["kills"]]
-    return {"kills": len(kill_rows), "runs": runs, "kills_per_run": kills, "runs_passed": sum(r["passed"] for r in rows),
+    return {"kills": len(kill_rows), "runs": runs, "kills_per_run": kills,
+            "runs_passed": sum(r["passed"] for r in rows),
             "kills_in_passed_runs": sum(len(r["kills"]) for r in rows if r["passed"]),
             "killed_while_write_in_flight": sum(k["in_flight"] for k in kill_rows),
             "uninterrupted_run_s": round(ref_s, 1), "run_with_kills_s": [r["wall_s"] for r in rows],
-            "launcher": "2 rank processes per launch; when one dies the other is killed and the job relaunched on a fresh port",
+            "launcher": "2 rank processes per launch; when one dies, the other is killed and the job started again",
             "steps": steps, "save_every": every, "rows": rows}
 
 

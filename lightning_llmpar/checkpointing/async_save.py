@@ -105,7 +105,9 @@ class AsyncCheckpointer:
             buffer = io.BytesIO()
             torch.save(meta, buffer)
             meta_bytes = buffer.getvalue()
-        upload = dcp.async_save(tensors, checkpoint_id=staging, process_group=self._write_group, async_stager=self._stager)
+        upload = dcp.async_save(
+            tensors, checkpoint_id=staging, process_group=self._write_group, async_stager=self._stager
+        )
         assert isinstance(upload, Future)
         done = self._finisher.submit(_finish, upload, staging, path, meta_bytes if is_rank_zero else None)
         self._pending = _Save(path, staging, done)

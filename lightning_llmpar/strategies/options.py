@@ -55,7 +55,8 @@ def _check_degrees(a: dict[str, Any]) -> None:
         positive_int("data_parallel_replicate", a["data_parallel_replicate"], allow_auto=True)
     if a["zero_stage"] not in ZERO_STAGES:
         raise ValueError(f"LLMParallelStrategy: `zero_stage` must be one of {ZERO_STAGES}, got {a['zero_stage']!r}.")
-    for name in ("sequence_parallel", "cpu_offload", "pipeline_check", "compile", "fused_optimizer", "async_checkpoint"):
+    flags = ("sequence_parallel", "cpu_offload", "pipeline_check", "compile", "fused_optimizer", "async_checkpoint")
+    for name in flags:
         if not isinstance(a[name], bool):
             raise ValueError(f"LLMParallelStrategy: `{name}` must be True or False, got {a[name]!r}.")
     if a["cpu_offload"] and a["zero_stage"] == 0:

@@ -141,7 +141,8 @@ def test_async_checkpoint_from_yaml() -> None:
     parser = ArgumentParser()
     parser.add_subclass_arguments(LLMParallelStrategy, "strategy")
     config = parser.parse_string(
-        "strategy: {class_path: lightning_llmpar.LLMParallelStrategy, init_args: {zero_stage: 3, async_checkpoint: true}}"
+        "strategy: {class_path: lightning_llmpar.LLMParallelStrategy,"
+        " init_args: {zero_stage: 3, async_checkpoint: true}}"
     )
     strategy = parser.instantiate_classes(config).strategy
     assert strategy.options.async_checkpoint and strategy.checkpoint_in_flight is None
