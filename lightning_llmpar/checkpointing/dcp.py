@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 
 from lightning_llmpar.modeling.packing import Packing, canonical_view, unwrap
 
-__all__ = ["save_checkpoint", "write_atomically", "write_distributed", "load_checkpoint", "is_checkpoint", "export_consolidated", "META_FILE"]
+__all__ = ["save_checkpoint", "write_atomically", "prepare_staging", "commit_staging", "write_distributed", "load_checkpoint", "is_checkpoint", "export_consolidated", "META_FILE"]
 
 META_FILE = "meta.pt"  # everything Lightning keeps besides tensors: loops, callbacks, schedulers, hparams
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -107,6 +107,25 @@ def _restore_copies(optim: dict[str, Any], aliases: Mapping[str, str], local: se
     return out
 
 
+def prepare_staging(path: Path) -> Path:
+    """Rank 0, before any rank writes: the hidden ``.<name>.partial`` folder a save of ``path`` is written into,
+    with whatever an earlier interrupted save left there removed."""
+    staging = path.with_name(f".{path.name}.partial")
+    if staging.exists():
+        shutil.rmtree(staging)
+    return staging
+
+
+def commit_staging(staging: Path, path: Path) -> None:
+    """Rank 0, once every rank has written into ``staging``: rename it into place as ``path``."""
+    old = path.with_name(f".{path.name}.old")
+    if path.exists():
+        path.rename(old) if path.is_dir() else path.unlink()
+    staging.rename(path)
+    if old.exists():
+        shutil.rmtree(old)
+
+
 def write_atomically(
     path: str | Path, write: Callable[[Path], None], *, is_rank_zero: bool, barrier: Callable[[], None]
 ) -> Path:
@@ -116,19 +135,12 @@ def write_atomically(
     most a hidden ``.<name>.partial`` folder, never a half-written checkpoint under the final name.
     """
     path = Path(path)
-    staging = path.with_name(f".{path.name}.partial")
-    if is_rank_zero and staging.exists():
-        shutil.rmtree(staging)
+    staging = prepare_staging(path) if is_rank_zero else path.with_name(f".{path.name}.partial")
     barrier()
     write(staging)
     barrier()
     if is_rank_zero:
-        old = path.with_name(f".{path.name}.old")
-        if path.exists():
-            path.rename(old) if path.is_dir() else path.unlink()
-        staging.rename(path)
-        if old.exists():
-            shutil.rmtree(old)
+        commit_staging(staging, path)
     barrier()
     return path
 

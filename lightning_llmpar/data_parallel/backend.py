@@ -102,6 +102,11 @@ class ShardingBackend:
     def write_checkpoint(self, folder: Path, meta: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    def checkpoint_state(self, folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
+        """For a background save: write this rank's small side files into ``folder`` now and return the DCP state
+        dict the background write takes (what ``write_checkpoint`` writes, less ``meta``)."""
+        raise NotImplementedError(f"the {self.name} backend writes checkpoints synchronously only")
+
     def load_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -232,6 +237,14 @@ class FSDP2Backend(ShardingBackend):
         )
         if composed.compression is not None:  # per-rank: every rank's residuals differ
             composed.compression.save(folder, s.global_rank)
+
+    def checkpoint_state(self, folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
+        s, composed = self.strategy, self.composed
+        assert s.model is not None and composed is not None
+        if composed.compression is not None:  # small and per rank: written now, before the background write starts
+            composed.compression.save(folder, s.global_rank)
+        optimizers = self._raw_optimizers() if meta["llmpar_optimizer_state"] else []
+        return ckpt._tensor_state(s.model, optimizers, self.aliases(), composed.parallelized.packings)
 
     def load_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         s, composed = self.strategy, self.composed

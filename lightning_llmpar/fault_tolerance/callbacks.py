@@ -107,16 +107,17 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
     def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)
         if trainer.is_global_zero:
-            self._prune(Path(filepath).parent)
+            self._prune(Path(filepath).parent, getattr(trainer.strategy, "checkpoint_in_flight", None))
 
-    def _prune(self, folder: Path) -> None:
+    def _prune(self, folder: Path, in_flight: Path | None = None) -> None:
         # By step on disk, not by ModelCheckpoint's in-memory ranking, which a restart does not fully restore.
         # Runs after the save's final barrier, so no other rank is writing; half-written staging folders
-        # left by a crash go too.
+        # left by a crash go too, but not the staging folder of a background save still being written (``in_flight``).
         import shutil
 
         saved = sorted((p for p in folder.iterdir() if _OWN.match(p.name)), key=_step_of, reverse=True)
-        for stale in saved[self.keep_last :] + [p for p in folder.iterdir() if _OWN_STAGING.match(p.name)]:
+        staging = [p for p in folder.iterdir() if _OWN_STAGING.match(p.name) and p != in_flight]
+        for stale in saved[self.keep_last :] + staging:
             shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
 
     def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:

@@ -17,14 +17,16 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_llmpar.checkpointing import dcp as ckpt
+from lightning_llmpar.checkpointing.async_save import AsyncSaveHooks
 from lightning_llmpar.data_parallel.backend import ShardingBackend
 from lightning_llmpar.strategies.mesh import MeshStrategy
 
 __all__ = ["CheckpointingStrategy"]
 
 
-class CheckpointingStrategy(MeshStrategy):
-    """Lightning's checkpoint hooks for a strategy whose sharding backend (``_backend``) writes and reads them."""
+class CheckpointingStrategy(AsyncSaveHooks, MeshStrategy):
+    """Lightning's checkpoint hooks for a strategy whose sharding backend (``_backend``) writes and reads them,
+    in the background with ``async_checkpoint=True`` (see ``checkpointing.async_save``)."""
 
     _backend: ShardingBackend
 
@@ -56,6 +58,8 @@ class CheckpointingStrategy(MeshStrategy):
         meta["llmpar_layout"] = str(self.layout)
         # Lightning leaves optimizer state out of weights-only checkpoints (ModelCheckpoint(save_weights_only=True)).
         meta["llmpar_optimizer_state"] = "optimizer_states" in checkpoint
+        if self._save_in_background(path, lambda staging: self._backend.checkpoint_state(staging, meta), meta):
+            return
         ckpt.write_atomically(
             path, lambda staging: self._backend.write_checkpoint(staging, meta), is_rank_zero=self.is_global_zero,
             barrier=self.barrier,
@@ -67,6 +71,7 @@ class CheckpointingStrategy(MeshStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
+        self._wait_for_saves()  # it may be the one being written
         if self.is_global_zero:
             path = Path(filepath)
             if path.is_dir():

@@ -97,6 +97,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
         loss_parallel: 'auto' (default), True or False: the LM head's logits split by vocabulary (docs/loss-parallel.md).
         compile: ``torch.compile`` each block of the model's block stack (in place, per block, as torchtitan).
         fused_optimizer: step Adam/AdamW with torch's fused kernel where the optimizer left the choice to torch.
+        async_checkpoint: write checkpoints saved during fit in the background (see docs/fault-tolerance.md).
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
     """
 
@@ -135,6 +136,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
         loss_parallel: bool | Literal["auto"] = "auto",
         compile: bool = False,
         fused_optimizer: bool = True,
+        async_checkpoint: bool = False,
         start_method: START_METHODS = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -243,7 +245,8 @@ class LLMParallelStrategy(CheckpointingStrategy):
         return step_on_one_sample(trainer, self)
 
     @property
-    def _loss_parallel(self) -> LossParallel | None:
+    def loss_parallel_heads(self) -> LossParallel | None:
+        """The LM heads whose logits stay split over the vocabulary in training steps (None without)."""
         return self._composed.parallelized.loss_parallel if self._composed is not None else None
 
     @property
@@ -286,7 +289,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context(), split_logits(self._loss_parallel) as done:
+        with self.precision_plugin.train_step_context(), split_logits(self.loss_parallel_heads) as done:
             return done(self._step("training_step", *args, **kwargs))
 
     @override

@@ -44,6 +44,7 @@ class StrategyOptions:
     compile: bool = False
     start_method: str = "popen"
     loss_parallel: bool | str = "auto"
+    async_checkpoint: bool = False
 
 
 def positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
@@ -62,7 +63,8 @@ def _check_degrees(a: dict[str, Any]) -> None:
         positive_int("data_parallel_replicate", a["data_parallel_replicate"], allow_auto=True)
     if a["zero_stage"] not in ZERO_STAGES:
         raise ValueError(f"LLMParallelStrategy: `zero_stage` must be one of {ZERO_STAGES}, got {a['zero_stage']!r}.")
-    for name in ("sequence_parallel", "cpu_offload", "pipeline_check", "compile", "fused_optimizer"):
+    flags = ("sequence_parallel", "cpu_offload", "pipeline_check", "compile", "fused_optimizer", "async_checkpoint")
+    for name in flags:
         if not isinstance(a[name], bool):
             raise ValueError(f"LLMParallelStrategy: `{name}` must be True or False, got {a[name]!r}.")
     if a["cpu_offload"] and a["zero_stage"] == 0:
@@ -203,6 +205,12 @@ def _check_backend(a: dict[str, Any]) -> tuple[dict[str, Any], CompressionConfig
             "loss_normalization='tokens' rescales gradients before the optimizer step, which the DeepSpeed engine"
             " takes itself; use it with sharding_backend='fsdp2' (the default)."
         )
+    if a["async_checkpoint"]:
+        raise ValueError(
+            "async_checkpoint=True writes checkpoints with torch's distributed checkpoint (DCP) in the background; the"
+            " DeepSpeed engine writes its own checkpoints synchronously. Use sharding_backend='fsdp2' (the default)"
+            " with async_checkpoint=True, or async_checkpoint=False."
+        )
     return deepspeed, None
 
 
@@ -243,5 +251,5 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
         count_tokens=count, context_parallel_mode=a["context_parallel_mode"], fused_optimizer=a["fused_optimizer"],
         sequence_parallel=a["sequence_parallel"], tp_plan=dict(a["tp_plan"] or {}), cpu_offload=a["cpu_offload"],
         expert_capacity_factor=a["expert_capacity_factor"], compile=a["compile"], start_method=a["start_method"],
-        loss_parallel=a["loss_parallel"],
+        loss_parallel=a["loss_parallel"], async_checkpoint=a["async_checkpoint"],
     )

@@ -87,8 +87,7 @@ def _fit_gpt(extra: str, strategy_kwargs: dict[str, Any] | None, steps: int = 6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, datamodule=_Data(data))
-    backend = getattr(trainer.strategy, "sharding_backend", None)
-    owner = backend.parallelized.loss_parallel if backend is not None else None
+    owner = getattr(trainer.strategy, "loss_parallel_heads", None)
     return {"losses": record.losses, "grads": record.grads, "held": 0.0, "outputs": seen.outputs,
             "split_steps": owner.split_steps if owner else 0, "local_bytes": owner.local_bytes if owner else 0,
             "gathered": sorted(owner.gathered_ops) if owner else [],
