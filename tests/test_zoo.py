@@ -85,7 +85,8 @@ def _launch(layouts: dict[str, dict[str, Any]], world: int, selected: list[dict[
     pairs = [(m, lid) for lid in layouts for m in _models(lid) if (m, lid) in chosen]
     if not pairs:
         return {}
-    outs = run_ranks(fit_cases, world, [(m, layouts[lid], _batch(layouts[lid], world)) for m, lid in pairs], timeout=2400)
+    cases = [(m, layouts[lid], _batch(layouts[lid], world)) for m, lid in pairs]
+    outs = run_ranks(fit_cases, world, cases, timeout=2400)
     return {(m, lid): [o[(m, repr(layouts[lid]))] for o in outs] for m, lid in pairs}
 
 
