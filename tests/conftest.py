@@ -105,6 +105,12 @@ FULL: list[tuple[str, str]] = [
     ("tests/test_planner.py::test_predicted_peaks_are_within_ten_percent_of_measured_ones",
      "measures eleven real layouts"),
     ("tests/cli/test_quiet_run.py::test_main_job_prints_each_warning_once", "the eight-process main job"),
+    # The command end to end: each run imports Lightning, transformers and torch once per process (~20-40 s). Its
+    # pipeline run, a run with nothing optional, the Hugging Face example and the quiet first run stay fast.
+    ("tests/cli/test_cli.py::test_cli_override_to_compiled_tensor_parallel_*",
+     "compiled tensor parallelism from the command (compile is fast in test_replicate and test_regions)"),
+    ("tests/cli/test_cli.py::test_cli_mixture_of_experts_under_expert_parallel_*", "expert parallelism from the command"),
+    ("tests/cli/test_cli.py::test_litgpt_example_fine_tunes", "the LitGPT example (LitGPT is fast in the zoo)"),
 ]
 
 
@@ -122,6 +128,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason = full_reason(item.nodeid)
         if reason is not None:
             item.add_marker(pytest.mark.full(reason=reason))
+    if not config.args or config.args == ["tests"]:  # the whole suite: a pattern naming no test is a stale line
+        stale = [p for p, _ in FULL if not any(fnmatchcase(item.nodeid, p) for item in items)]
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if stale and reporter is not None:  # printed, not warned: pyproject ignores UserWarnings
+            reporter.write_line(f"tests/conftest.py: FULL patterns that name no test: {stale}", yellow=True)
 
 
 @pytest.fixture(scope="module")
