@@ -73,6 +73,8 @@ FULL: list[tuple[str, str]] = [
     ("tests/pipeline/test_pipeline.py::test_pipeline_accumulation_and_global_clipping[[]pp2-tp2]",
      "pp2-dp2-zero2-1f1b is fast"),
     ("tests/context_parallel/test_context_parallel.py::test_context_parallel_is_exact[[]8-*]", "the eight-rank launch"),
+    ("tests/expert_parallel/test_expert_parallel.py::test_expert_parallel_is_exact[[]4-*]",
+     "the four-rank launch: experts with TP, PP and ZeRO over four (the two-rank cases, ZeRO-3 among them, are fast)"),
     ("tests/expert_parallel/test_expert_parallel.py::test_expert_parallel_is_exact[[]8-*]", "the eight-rank launch"),
     ("tests/precision/test_precision.py::test_precision_tracks_fp32_under_layouts[[]bf16-mixed-pp2-tp2]",
      "bf16 on two layouts is fast"),
@@ -105,12 +107,16 @@ FULL: list[tuple[str, str]] = [
     ("tests/test_planner.py::test_predicted_peaks_are_within_ten_percent_of_measured_ones",
      "measures eleven real layouts"),
     ("tests/cli/test_quiet_run.py::test_main_job_prints_each_warning_once", "the eight-process main job"),
+    ("tests/test_real_setups.py::test_lora_under_tensor_parallelism_matches_one_process",
+     "LoRA on seven families at tp2 and three four-rank layouts (LoRA with clipping and under EP stays fast)"),
     # The command end to end: each run imports Lightning, transformers and torch once per process (~20-40 s). Its
-    # pipeline run, a run with nothing optional, the Hugging Face example and the quiet first run stay fast.
+    # pipeline run, a run with nothing optional and the quiet first run stay fast.
     ("tests/cli/test_cli.py::test_cli_override_to_compiled_tensor_parallel_*",
      "compiled tensor parallelism from the command (compile is fast in test_replicate and test_regions)"),
     ("tests/cli/test_cli.py::test_cli_mixture_of_experts_under_expert_parallel_*", "expert parallelism from the command"),
     ("tests/cli/test_cli.py::test_litgpt_example_fine_tunes", "the LitGPT example (LitGPT is fast in the zoo)"),
+    ("tests/cli/test_cli.py::test_hugging_face_example_fine_tunes_and_exports",
+     "the Hugging Face example (its config is built fast; pretrained weights are fast in test_hf)"),
 ]
 
 
