@@ -113,7 +113,8 @@ FULL: list[tuple[str, str]] = [
     # pipeline run, a run with nothing optional and the quiet first run stay fast.
     ("tests/cli/test_cli.py::test_cli_override_to_compiled_tensor_parallel_*",
      "compiled tensor parallelism from the command (compile is fast in test_replicate and test_regions)"),
-    ("tests/cli/test_cli.py::test_cli_mixture_of_experts_under_expert_parallel_*", "expert parallelism from the command"),
+    ("tests/cli/test_cli.py::test_cli_mixture_of_experts_under_expert_parallel_*",
+     "expert parallelism from the command"),
     ("tests/cli/test_cli.py::test_litgpt_example_fine_tunes", "the LitGPT example (LitGPT is fast in the zoo)"),
     ("tests/cli/test_cli.py::test_hugging_face_example_fine_tunes_and_exports",
      "the Hugging Face example (its config is built fast; pretrained weights are fast in test_hf)"),
