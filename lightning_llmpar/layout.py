@@ -168,6 +168,11 @@ class ParallelLayout:
         def build() -> tuple[DeviceMesh, DeviceMesh]:
             mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
             mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            if self.tp > 1 and self.dp_shard * self.cp > 1:
+                # A gradient norm is partial over both axes a parameter is sharded on (FSDP's and tensor
+                # parallelism's): with the two flattened, DTensor reduces it in one all-reduce instead of two.
+                shard = "dp_shard_cp" if self.cp > 1 else "dp_shard"
+                mesh[shard, "tp"]._flatten(f"{shard}_tp")
             return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
         return reuse_groups(("mesh", device_type, shape), build)

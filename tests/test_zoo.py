@@ -78,16 +78,31 @@ def _models(layout: str) -> list[str]:
     return [m for m in ONLY.get(layout, ALL) if m in RUN]
 
 
-def _launch(layouts: dict[str, dict[str, Any]], world: int) -> dict[tuple[str, str], list[dict[str, Any]]]:
-    cases = [(m, kw, _batch(kw, world)) for lid, kw in layouts.items() for m in _models(lid)]
+def _launch(layouts: dict[str, dict[str, Any]], world: int, selected: list[dict[str, Any]]
+            ) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    # Only the cases this run selected (-m "not full" runs a slice of the zoo).
+    chosen = {(p["model"], p["layout"]) for p in selected if "layout" in p}
+    pairs = [(m, lid) for lid in layouts for m in _models(lid) if (m, lid) in chosen]
+    if not pairs:
+        return {}
+    cases = [(m, layouts[lid], _batch(layouts[lid], world)) for m, lid in pairs]
     outs = run_ranks(fit_cases, world, cases, timeout=2400)
-    return {(m, lid): [o[(m, repr(kw))] for o in outs] for lid, kw in layouts.items() for m in _models(lid)}
+    return {(m, lid): [o[(m, repr(layouts[lid]))] for o in outs] for m, lid in pairs}
+
+
+class _References(dict):
+    """One-process runs by model: the parametrized tests' in one launch, any other model on first use."""
+
+    def __missing__(self, model: str) -> dict[str, Any]:
+        self[model] = run_ranks(fit_cases, 1, [(model, None, GLOBAL_BATCH)], timeout=900)[0][(model, "None")]
+        return self[model]
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[str, dict[str, Any]]:
-    outs = run_ranks(fit_cases, 1, [(m, None, GLOBAL_BATCH) for m in RUN], timeout=900)[0]
-    return {m: outs[(m, "None")] for m in RUN}
+def references(selected_params: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    wanted = [m for m in RUN if m in {p.get("model") for p in selected_params}]
+    outs = run_ranks(fit_cases, 1, [(m, None, GLOBAL_BATCH) for m in wanted], timeout=900)[0] if wanted else {}
+    return _References({m: outs[(m, "None")] for m in wanted})
 
 
 def _cases(layouts: dict[str, dict[str, Any]]) -> list[Any]:
@@ -97,13 +112,13 @@ def _cases(layouts: dict[str, dict[str, Any]]) -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs() -> dict[tuple[str, str], list[dict[str, Any]]]:
-    return _launch(TWO_RANKS, 2)
+def two_rank_runs(selected_params: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    return _launch(TWO_RANKS, 2, selected_params)
 
 
 @pytest.fixture(scope="module")
-def four_rank_runs() -> dict[tuple[str, str], list[dict[str, Any]]]:
-    return _launch(FOUR_RANKS, 4)
+def four_rank_runs(selected_params: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    return _launch(FOUR_RANKS, 4, selected_params)
 
 
 @pytest.mark.parametrize(("model", "layout"), _cases(TWO_RANKS))

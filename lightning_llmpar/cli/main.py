@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import WandbLogger
@@ -17,6 +17,7 @@ import lightning_llmpar  # noqa: F401 - registers the strategy names
 from lightning_llmpar.callbacks.throughput import ThroughputAndMemory
 from lightning_llmpar.callbacks.timeline import PipelineTimeline
 from lightning_llmpar.cli.progress import step_progress_bar
+from lightning_llmpar.cli.summary import model_summary
 from lightning_llmpar.cli.warnings import quiet_known_warnings
 
 __all__ = ["LLMParCLI", "main", "console"]
@@ -45,9 +46,16 @@ class LLMParCLI(LightningCLI):
             extra.append(ModelCheckpoint(dirpath=None, save_last=True, every_n_train_steps=50))
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
             extra.append(step_progress_bar())
+        if config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in given):
+            extra.append(model_summary())
         if config.get("logger") not in (False, None, []):  # a learning-rate monitor needs somewhere to log
             extra.append(LearningRateMonitor(logging_interval="step"))
-        return super()._instantiate_trainer(config, extra)
+        trainer = super()._instantiate_trainer(config, extra)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger) and getattr(logger, "_wandb_init", {}).get("anonymous", 0) is None:
+                # Lightning passes anonymous=None to wandb.init, which warns that the setting is gone; unset: quiet.
+                del logger._wandb_init["anonymous"]
+        return trainer
 
     def after_fit(self) -> None:
         self._report()

@@ -28,7 +28,7 @@ from lightning_llmpar.pipeline.split import BATCH_KWARG, StageModule, stage_prog
 from lightning_llmpar.pipeline.stages import StageLayout, build_schedule
 from lightning_llmpar.training.batches import batch_size
 from lightning_llmpar.training.loss_normalization import TokenNormalizer
-from lightning_llmpar.training.quiet import frozen_metrics
+from lightning_llmpar.training.quiet import frozen_metrics, synced_only
 
 __all__ = ["PipelineRunner", "bubble_fraction"]
 
@@ -331,6 +331,8 @@ class PipelineRunner:
         for name, (kind, payload), kwargs in box[0]:
             if kind == "metric":
                 value = self.module.get_submodule(payload)
+                if not self.is_last:
+                    synced_only(value)
             else:
                 value = torch.tensor(payload, device=self.device)
             self.module.log(name, value, **kwargs)

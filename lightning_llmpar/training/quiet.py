@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from torch import nn
 from torchmetrics import Metric
 
-__all__ = ["frozen_metrics", "quiet_step"]
+__all__ = ["frozen_metrics", "quiet_step", "synced_only"]
 
 
 @contextmanager
@@ -37,3 +39,20 @@ def quiet_step(module: nn.Module) -> Iterator[None]:
             yield
     finally:
         del module.log, module.log_dict  # the instance attributes shadowed the methods
+
+
+def synced_only(metric: Metric) -> None:
+    """``metric`` on a rank that never updates it but takes part in the sync that computes it (a pipeline stage
+    before the last, whose states stay empty): its compute does not warn that update was never called."""
+    if getattr(metric, "_synced_only", False):
+        return
+    compute = metric.compute
+
+    @functools.wraps(compute)
+    def quiet_compute(*args: object, **kwargs: object) -> object:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"The ``compute`` method of metric .* before the ``update``")
+            return compute(*args, **kwargs)
+
+    metric.compute = quiet_compute  # type: ignore[method-assign]
+    metric._synced_only = True

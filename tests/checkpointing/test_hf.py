@@ -22,22 +22,34 @@ LAYOUTS = {"tp2": ({"tensor_parallel": 2}, 2), "tp2-pp2": ({"tensor_parallel": 2
 STEPS, BATCH = 3, 8
 
 
+def _save_all(names: list[str], root: str) -> None:
+    for name in names:
+        save_pretrained(name, f"{root}/{name}")
+
+
+def _logits(directories: list[str]) -> list[torch.Tensor]:
+    return [logits_of(d) for d in directories]
+
+
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def pretrained(tmp_path_factory: pytest.TempPathFactory, selected_params: list[dict[str, Any]]) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("hf")
-    for name in MODELS:
-        run_ranks(save_pretrained, 1, name, str(root / name))
+    run_ranks(_save_all, 1, MODELS, str(root))  # every family in one launch: the other tests read several
+    # Trained only where this run selected a round trip (-m "not full" runs a slice).
+    chosen = {(p["model"], p["layout"]) for p in selected_params if "layout" in p}
+    trained = [m for m in MODELS if any((m, layout) in chosen for layout in LAYOUTS)]
     ref_cases = [(m, None, BATCH, {"pretrained": str(root / m), "save_hf": str(root / f"{m}-ref"), "steps": STEPS})
-                 for m in MODELS]
-    refs = run_ranks(fit_cases, 1, ref_cases, timeout=600)[0]
-    runs = {}
+                 for m in trained]
+    refs = run_ranks(fit_cases, 1, ref_cases, timeout=600)[0] if trained else {}
+    runs: dict[str, dict[str, Any]] = {}
     for layout, (kwargs, world) in LAYOUTS.items():
+        models = [m for m in MODELS if (m, layout) in chosen]
         cases = [(m, kwargs, BATCH * 2 // world if "pipeline_parallel" not in kwargs else BATCH,
                   {"pretrained": str(root / m), "meta": True, "save_hf": str(root / f"{m}-{layout}"), "steps": STEPS})
-                 for m in MODELS]
-        outs = run_ranks(fit_cases, world, cases, timeout=900)
-        runs[layout] = {m: [o[(m, repr(kwargs))] for o in outs] for m in MODELS}
-    return {"root": root, "refs": {m: refs[(m, "None")] for m in MODELS}, "runs": runs}
+                 for m in models]
+        outs = run_ranks(fit_cases, world, cases, timeout=900) if models else []
+        runs[layout] = {m: [o[(m, repr(kwargs))] for o in outs] for m in models}
+    return {"root": root, "refs": {m: refs[(m, "None")] for m in trained}, "runs": runs}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -53,7 +65,7 @@ def test_pretrained_round_trip(model: str, layout: str, pretrained: dict[str, An
         assert abs(loss - expected) < 1e-5, f"step {i}: {loss} vs {expected}"
     # Exported at the layout, loaded by from_pretrained in one process: the one-process-trained model's logits.
     root = pretrained["root"]
-    ours, theirs = run_ranks(logits_of, 1, str(root / f"{model}-{layout}"))[0], run_ranks(logits_of, 1, str(root / f"{model}-ref"))[0]
+    ours, theirs = run_ranks(_logits, 1, [str(root / f"{model}-{layout}"), str(root / f"{model}-ref")])[0]
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 

@@ -1,0 +1,150 @@
+"""Which tests run between edits (`pytest -m "not full"`) and which only in the full run (`pytest -m full`).
+
+Every test is fast unless a pattern of FULL matches its node id. FULL is read top to bottom and the first match
+decides: an entry whose reason starts with "fast:" keeps the tests it matches fast (a representative case before the
+pattern that sends its siblings to the full run). New tests are fast until a line here says otherwise, so no test
+file needs a mark of its own.
+
+Module fixtures that launch many cases at once build only the cases this run selected (``selected_params``).
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import Any
+
+import pytest
+
+ZOO = "tests/test_zoo.py::test_*_ranks_match_one_process"
+# (node-id pattern, reason). fnmatch syntax: "[" in an id is written "[[]".
+FULL: list[tuple[str, str]] = [
+    # The model zoo: one model of each structural kind under each layout kind stays fast.
+    (f"{ZOO}[[]llama-tp2]", "fast: separate q/k/v, untied, tensor parallel"),
+    (f"{ZOO}[[]phi3-tp2]", "fast: fused q/k/v and gate/up"),
+    (f"{ZOO}[[]gpt2-tp2]", "fast: Conv1D, fused [q; k; v], tied, a vocabulary the degree does not divide"),
+    (f"{ZOO}[[]mixtral-tp2]", "fast: mixture of experts (fused 3-D experts)"),
+    (f"{ZOO}[[]deepseek_v3-tp2]", "fast: latent attention split by heads"),
+    (f"{ZOO}[[]bamba-tp2]", "fast: state-space hybrid (Mamba-2 mixers beside attention)"),
+    (f"{ZOO}[[]litgpt_llama-tp2]", "fast: LitGPT"),
+    (f"{ZOO}[[]llama_tied-pp2]", "fast: a tied embedding and head on two stages"),
+    (f"{ZOO}[[]bamba-pp2]", "fast: a block stack of mixed classes split into stages"),
+    (f"{ZOO}[[]litgpt_llama-pp2]", "fast: LitGPT's rotary tables passed to every stage"),
+    (f"{ZOO}[[]mixtral-dp2-zero3]", "fast: experts sharded by ZeRO-3"),
+    (f"{ZOO}[[]litgpt_llama-dp2-zero1]", "fast: ZeRO-1"),
+    (f"{ZOO}[[]gpt2-tp2-pp2]", "fast: four ranks, tensor x pipeline, tied"),
+    (f"{ZOO}[[]gemma_mqa-tp4]", "fast: fewer key/value heads than ranks"),
+    (f"{ZOO}[[]gemma_mqa-dp2-tp2-zero3]", "fast: shared key/value heads under ZeRO-3"),
+    (f"{ZOO}[[]*]", "the rest of the model zoo (~150 cases; 7-10 min)"),
+    ("tests/test_zoo.py::test_tied_weights_stay_tied_under_every_schedule_and_zero",
+     "a tied model under all seven schedules (the schedules are fast in tests/pipeline)"),
+    ("tests/test_zoo.py::test_litgpt_under_every_schedule", "LitGPT under all seven schedules"),
+    ("tests/test_zoo.py::test_blocks_reading_values_from_before_the_stack_*", "Gemma 3n / Zamba2 on 2 and 4 ranks"),
+    # torch.compile: inductor builds C++ for every case (~4 min in one launch); the CLI's compiled run,
+    # test_replicate's compiled DDP case and test_regions' compiled regions stay fast.
+    ("tests/test_compile.py::test_compiled_*train*", "every layout compiled, against eager runs (one 4-minute launch)"),
+    ("tests/test_compile.py::test_compiled_tensor_parallel_blocks_take_new_sequence_lengths*",
+     "recompiles per sequence length"),
+    # Pretrained weights: ten families saved, trained at two layouts and exported (~2 min).
+    ("tests/checkpointing/test_hf.py::test_pretrained_round_trip[[]llama_tied-tp2]", "fast: tied, meta init, export"),
+    ("tests/checkpointing/test_hf.py::test_pretrained_round_trip[[]mixtral-tp2-pp2]",
+     "fast: experts, four ranks"),
+    ("tests/checkpointing/test_hf.py::test_pretrained_round_trip[[]*]", "the other families' round trips"),
+    ("tests/checkpointing/test_hf.py::test_legacy_moe_files_are_read_per_expert",
+     "Mixtral's files as transformers writes them"),
+    # Layouts covered fast by a sibling or another file; each case is one launch of its own.
+    ("tests/test_parity.py::test_gpt_layouts_match_single_process[[]tp2-nosp]", "sequence parallelism off"),
+    ("tests/test_parity.py::test_gpt_layouts_match_single_process[[]dp2-zero3-offload]",
+     "CPU offload (DeepSpeed's is fast)"),
+    ("tests/test_parity.py::test_gpt_layouts_match_single_process[[]tp2-dp2-zero0]", "tp2-dp2-zero3 is fast"),
+    ("tests/test_parity.py::test_transformers_llama_layouts_match_single_process*",
+     "the example GPT's layouts again on transformers' Llama (the zoo's Llama cases are fast)"),
+    ("tests/test_parity.py::test_accumulation_and_global_norm_clipping[[]tp2]", "tp2-dp2-zero3 is fast"),
+    ("tests/test_parity.py::test_accumulation_and_global_norm_clipping[[]dp2-zero0]", "tp2-dp2-zero3 is fast"),
+    ("tests/pipeline/test_pipeline.py::test_pipeline_composes_with_tp_and_zero[[]pp2-tp2]",
+     "the zoo's tp2-pp2 is fast"),
+    ("tests/pipeline/test_pipeline.py::test_pipeline_composes_with_tp_and_zero[[]pp2-dp2-zero1]",
+     "dp2-tp2-pp2 is fast"),
+    ("tests/pipeline/test_pipeline.py::test_pipeline_composes_with_tp_and_zero[[]pp2-dp2-zero3]",
+     "dp2-tp2-pp2 is fast"),
+    ("tests/pipeline/test_pipeline.py::test_transformers_llama_pipeline_without_any_hook[[]pp2-dp2-zero3]",
+     "pp2 is fast"),
+    ("tests/pipeline/test_pipeline.py::test_pipeline_accumulation_and_global_clipping[[]pp2-dp2-zero3]",
+     "pp2-dp2-zero2-1f1b is fast"),
+    ("tests/pipeline/test_pipeline.py::test_pipeline_accumulation_and_global_clipping[[]pp2-tp2]",
+     "pp2-dp2-zero2-1f1b is fast"),
+    ("tests/context_parallel/test_context_parallel.py::test_context_parallel_is_exact[[]8-*]", "the eight-rank launch"),
+    ("tests/expert_parallel/test_expert_parallel.py::test_expert_parallel_is_exact[[]4-*]",
+     "the four-rank launch: experts with TP, PP and ZeRO over four (the two-rank cases, ZeRO-3 among them, are fast)"),
+    ("tests/expert_parallel/test_expert_parallel.py::test_expert_parallel_is_exact[[]8-*]", "the eight-rank launch"),
+    ("tests/precision/test_precision.py::test_precision_tracks_fp32_under_layouts[[]bf16-mixed-pp2-tp2]",
+     "bf16 on two layouts is fast"),
+    ("tests/precision/test_precision.py::test_precision_tracks_fp32_under_layouts[[]fp16-pp2]",
+     "fp16-tp2-dp2-zero3 is fast"),
+    ("tests/precision/test_precision.py::test_precision_tracks_fp32_under_layouts[[]fp8-tensorwise-tp2-dp2-zero3]",
+     "fp8 rowwise is fast; bf16/fp8 matmuls are slow on CPU"),
+    ("tests/precision/test_precision.py::test_precision_tracks_fp32_under_layouts[[]fp8-pp2]", "fp8 rowwise is fast"),
+    ("tests/data_parallel/test_compression.py::test_lossless_settings_reproduce_single_process[[]dp2-zero1-powersgd-*]",
+     "lossless top-k is fast"),
+    ("tests/data_parallel/test_compression.py::test_lossless_settings_reproduce_single_process[[]pp2-dp2-zero1-topk1]",
+     "lossless top-k is fast"),
+    ("tests/data_parallel/test_compression.py::test_lossy_compressors_train_like_uncompressed[[]dp2-zero0-fp16]",
+     "int8 and PowerSGD are fast"),
+    ("tests/data_parallel/test_compression.py::test_lossy_compressors_train_like_uncompressed[[]dp2-zero2-bf16]",
+     "int8 and PowerSGD are fast"),
+    ("tests/data_parallel/test_compression.py::test_lossy_compressors_train_like_uncompressed[[]dp2-zero1-topk]",
+     "int8 and PowerSGD are fast"),
+    ("tests/data_parallel/test_compression.py::test_resume_restores_compressor_state[[]topk]", "PowerSGD's is fast"),
+    ("tests/data_parallel/test_deepspeed.py::test_deepspeed_zero_matches_single_process[[]zero1]",
+     "zero2/zero3 are fast"),
+    ("tests/data_parallel/test_deepspeed.py::test_deepspeed_zero_matches_single_process[[]zero3-offload-all]",
+     "optimizer offload is fast"),
+    ("tests/activation_checkpointing/test_activation_checkpoint.py::test_budget_mode_fits_and_recomputes_less_as_it_grows",
+     "several budgets, each measured"),
+    ("tests/activation_checkpointing/test_activation_checkpoint.py::test_checkpointing_under_parallel_layouts[[]tp2-dp2-zero3-budget]",
+     "budget mode on four ranks"),
+    ("tests/fault_tolerance/test_fault_tolerance.py::test_killed_rank_resumes_to_the_uninterrupted_result[[]trial[234]]",
+     "more random kill points (trial0 and trial1, killed in and out of a save, are fast)"),
+    ("tests/test_planner.py::test_predicted_peaks_are_within_ten_percent_of_measured_ones",
+     "measures eleven real layouts"),
+    ("tests/cli/test_quiet_run.py::test_main_job_prints_each_warning_once", "the eight-process main job"),
+    ("tests/test_real_setups.py::test_lora_under_tensor_parallelism_matches_one_process",
+     "LoRA on seven families at tp2 and three four-rank layouts (LoRA with clipping and under EP stays fast)"),
+    # The command end to end: each run imports Lightning, transformers and torch once per process (~20-40 s). Its
+    # pipeline run, a run with nothing optional and the quiet first run stay fast.
+    ("tests/cli/test_cli.py::test_cli_override_to_compiled_tensor_parallel_*",
+     "compiled tensor parallelism from the command (compile is fast in test_replicate and test_regions)"),
+    ("tests/cli/test_cli.py::test_cli_mixture_of_experts_under_expert_parallel_*",
+     "expert parallelism from the command"),
+    ("tests/cli/test_cli.py::test_litgpt_example_fine_tunes", "the LitGPT example (LitGPT is fast in the zoo)"),
+    ("tests/cli/test_cli.py::test_hugging_face_example_fine_tunes_and_exports",
+     "the Hugging Face example (its config is built fast; pretrained weights are fast in test_hf)"),
+]
+
+
+def full_reason(nodeid: str) -> str | None:
+    """Why ``nodeid`` runs only under ``-m full``; None when it is fast."""
+    for pattern, reason in FULL:
+        if fnmatchcase(nodeid, pattern):
+            return None if reason.startswith("fast:") else reason
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        reason = full_reason(item.nodeid)
+        if reason is not None:
+            item.add_marker(pytest.mark.full(reason=reason))
+    if not config.args or config.args == ["tests"]:  # the whole suite: a pattern naming no test is a stale line
+        stale = [p for p, _ in FULL if not any(fnmatchcase(item.nodeid, p) for item in items)]
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if stale and reporter is not None:  # printed, not warned: pyproject ignores UserWarnings
+            reporter.write_line(f"tests/conftest.py: FULL patterns that name no test: {stale}", yellow=True)
+
+
+@pytest.fixture(scope="module")
+def selected_params(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    """The parameters of this module's tests that this run runs (after ``-m`` and ``-k``), for fixtures that
+    launch many cases at once to launch only those."""
+    return [item.callspec.params for item in request.session.items
+            if getattr(item, "module", None) is request.module and hasattr(item, "callspec")]
