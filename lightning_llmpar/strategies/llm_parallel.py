@@ -33,6 +33,7 @@ from lightning_llmpar.strategies.mesh import MeshStrategy
 from lightning_llmpar.strategies.options import BACKENDS, START_METHODS, validate_options
 from lightning_llmpar.tensor_parallel import Packing
 from lightning_llmpar.training.batches import train_batch_sizes
+from lightning_llmpar.training.logged_loss import captured_logs, replay_logs, step_loss, true_loss
 from lightning_llmpar.training.loss_normalization import TokenNormalizer
 
 if TYPE_CHECKING:
@@ -80,8 +81,8 @@ class LLMParallelStrategy(MeshStrategy):
             and ignore_index -100 left out), exactly as one process computes it on the global batch; tokens
             are counted in a dict's 'labels' (shifted by one, as transformers' causal-LM loss) or the targets
             of an (inputs, targets) pair, or by a callable(batch) -> count given here.
-        block_stack: qualified name of the nn.ModuleList holding the model's blocks (e.g. 'model.layers'), for
-            models where the one found by structure is not it (see docs/model-convention.md).
+        block_stack: qualified name of the nn.ModuleList or nn.ModuleDict holding the model's blocks (e.g.
+            'model.layers'), for models where the one found by structure is not it (see docs/model-convention.md).
         pipeline_check: before splitting, run the step on one sample of the first training batch whole and
             stage by stage and refuse a split that computes something else (see docs/model-convention.md).
         litgpt_checkpoint: a LitGPT checkpoint directory (lit_model.pth + model_config.yaml) loaded into the
@@ -266,8 +267,10 @@ class LLMParallelStrategy(MeshStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self._step("training_step", *args, **kwargs)
+        with self.precision_plugin.train_step_context(), captured_logs(self.lightning_module) as logged:
+            output = self._step("training_step", *args, **kwargs)
+        replay_logs(self.lightning_module, logged, loss := step_loss(output), true_loss(self, loss))  # logged_loss
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -317,9 +320,7 @@ class LLMParallelStrategy(MeshStrategy):
     def pipeline_runner(self) -> PipelineRunner | None:
         return self._backend.runner
 
-    @property
-    def _runner(self) -> PipelineRunner | None:
-        return self._backend.runner
+    _runner = pipeline_runner
 
     @property
     def engine(self) -> Any:
