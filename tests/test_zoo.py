@@ -173,15 +173,19 @@ def test_litgpt_under_every_schedule(references: dict) -> None:
 def test_module_dict_stack_under_every_schedule_context_parallelism_and_across_layouts(tmp_path: Any) -> None:
     # torchtitan's layout: blocks in an nn.ModuleDict walked by values(), the rotary table passed to every block. Each
     # pipeline stage keeps its blocks under their keys; ring attention cuts the sequence (per-rank batch 8: the cp
-    # ranks read the same batches). A checkpoint written at pp2 loads at tp2 and in one process: the same names.
+    # ranks read the same batches); ZeRO-3 and activation checkpointing wrap each block. A checkpoint written at pp2
+    # loads at tp2 and in one process: the same names.
     refs = run_ranks(fit_cases, 1, [(m, None, GLOBAL_BATCH) for m in TITAN], timeout=900)[0]
     tied = [("titan_tied", {"pipeline_parallel": 2, "pipeline_schedule": s}, GLOBAL_BATCH) for s in SCHEDULES]
     ring = [(m, {"context_parallel": 2}, GLOBAL_BATCH) for m in TITAN]
+    # FSDP2 units and activation checkpointing per block of the ModuleDict.
+    ring.append(("titan_tied", {"zero_stage": 3}, GLOBAL_BATCH // 2, {"checkpointing": "full", "tag": "zero3-ac"}))
     saved = str(tmp_path / "pp2.ckpt")
     save = [("titan_untied", {"pipeline_parallel": 2}, GLOBAL_BATCH, {"steps": 3, "save_to": saved, "tag": "save"})]
     outs = run_ranks(fit_cases, 2, tied + ring + save, timeout=1800)
-    for name, kwargs, _ in tied + ring:
-        assert_exact(refs[(name, "None")], [o[(name, repr(kwargs))] for o in outs], sharded="context_parallel" not in kwargs)
+    for name, kwargs, _, *extra in tied + ring:
+        key = (name, extra[0]["tag"] if extra else repr(kwargs))
+        assert_exact(refs[(name, "None")], [o[key] for o in outs], sharded="context_parallel" not in kwargs)
     written = {k: v for o in outs for k, v in o[("titan_untied", "save")]["params"].items()}
     load = [("titan_untied", {"tensor_parallel": 2}, GLOBAL_BATCH, {"steps": 3, "ckpt_path": saved, "tag": "load"})]
     for world, layout in ((2, "tp2"), (1, "one process")):

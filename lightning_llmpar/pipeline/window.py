@@ -164,6 +164,8 @@ class _StageBlockDict(_Window, nn.ModuleDict):
         return key in self._llmpar_keys
 
     def __getitem__(self, key: str) -> nn.Module:  # type: ignore[override]
+        if key not in self._llmpar_keys:
+            raise KeyError(key)
         position = self._llmpar_keys.index(key)
         window = self._llmpar_window
         if window is not None and position < window[0]:
