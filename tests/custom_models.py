@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
+from tests.titan_models import TitanLM
+
 VOCAB, WIDTH = 64, 32
 
 
@@ -251,4 +253,4 @@ class GPTMoE(ShiftedLM):
 CUSTOM = {"containers": Containers, "zipped": Zipped, "reuses_embedding": ReusesEmbedding, "unchained": Unchained,
           "passes_state": PassesState, "looped": Looped, "reads_embedding": ReadsEmbedding,
           "reads_gated_embedding": ReadsGatedEmbedding,
-          "gpt_moe": GPTMoE}
+          "gpt_moe": GPTMoE, "titan_tied": TitanLM, "titan_untied": TitanLM}

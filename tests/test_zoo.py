@@ -10,6 +10,7 @@ import importlib.util
 from typing import Any
 
 import pytest
+import torch
 
 from tests.distributed import run_ranks
 from tests.zoo import assert_exact, fit_cases
@@ -50,11 +51,14 @@ DP_ONLY = ["zamba2"]
 # k norm, OLMo-2's k norm over its one head, StarCoder's and Falcon-7B's fused [all q; k; v], Falcon's grouped rows
 # with one group, RecurrentGemma); grouped-query attention at tp4 above its two key/value heads (Qwen2).
 KV_SHARED = ["gemma_mqa", "qwen3_mqa", "olmo2_mqa", "gpt_bigcode_mqa", "falcon_mqa", "falcon_kv1", "recurrent_gemma"]
+# A Llama written as torchtitan writes its models: blocks in an nn.ModuleDict walked by values(), the rotary table
+# handed to every block (tests/titan_models.py); every schedule and context parallelism in its own test below.
+TITAN = ["titan_tied", "titan_untied"]
 LITGPT_MODELS = ["litgpt_llama", "litgpt_pythia", "litgpt_gemma2", "litgpt_phi2", "litgpt_qwen3", "litgpt_mixtral",
                  "litgpt_falcon", "litgpt_gemma3", "litgpt_olmo2"]
 HAS_LITGPT = importlib.util.find_spec("litgpt") is not None
-ALL = MODELS + MORE_MODELS + TP_ONLY + KV_SHARED + LITGPT_MODELS  # the layouts not in ONLY
-RUN = MODELS + MORE_MODELS + TP_ONLY + DP_ONLY + KV_SHARED + ["qwen2_gqa"] + (LITGPT_MODELS if HAS_LITGPT else [])
+ALL = MODELS + MORE_MODELS + TP_ONLY + KV_SHARED + LITGPT_MODELS + TITAN  # the layouts not in ONLY
+RUN = MODELS + MORE_MODELS + TP_ONLY + DP_ONLY + KV_SHARED + ["qwen2_gqa"] + (LITGPT_MODELS if HAS_LITGPT else []) + TITAN
 GLOBAL_BATCH = 8
 TWO_RANKS = {
     "tp2": {"tensor_parallel": 2},
@@ -63,8 +67,8 @@ TWO_RANKS = {
     "dp2-zero1": {"zero_stage": 1},
 }
 # ZeRO-1 is the same for every model family (no structure involved): LitGPT's cover it.
-ONLY = {"dp2-zero1": LITGPT_MODELS, "dp2-zero3": MODELS + LITGPT_MODELS + DP_ONLY,
-        "tp2-pp2": MODELS + LITGPT_MODELS + ["falcon_mqa"], "pp2": MODELS + MORE_MODELS + LITGPT_MODELS,
+ONLY = {"dp2-zero1": LITGPT_MODELS, "dp2-zero3": MODELS + LITGPT_MODELS + DP_ONLY + TITAN,
+        "tp2-pp2": MODELS + LITGPT_MODELS + ["falcon_mqa"] + TITAN, "pp2": MODELS + MORE_MODELS + LITGPT_MODELS + TITAN,
         "tp4": ["qwen2_gqa", "gemma_mqa"], "dp2-tp2-zero3": ["gemma_mqa", "gpt_bigcode_mqa"]}
 FOUR_RANKS = {"tp2-pp2": {"tensor_parallel": 2, "pipeline_parallel": 2}, "tp4": {"tensor_parallel": 4},
               "dp2-tp2-zero3": {"tensor_parallel": 2, "zero_stage": 3}}
@@ -179,3 +183,31 @@ def test_litgpt_under_every_schedule(references: dict) -> None:
     outs = run_ranks(fit_cases, 2, cases, timeout=900)
     for name, kwargs, _ in cases:
         assert_exact(references[name], [o[(name, repr(kwargs))] for o in outs])
+
+
+def test_module_dict_stack_under_every_schedule_context_parallelism_and_across_layouts(tmp_path: Any) -> None:
+    # torchtitan's layout: blocks in an nn.ModuleDict walked by values(), the rotary table passed to every block. Each
+    # pipeline stage keeps its blocks under their keys; ring attention cuts the sequence (per-rank batch 8: the cp
+    # ranks read the same batches); ZeRO-3 and activation checkpointing wrap each block. A checkpoint written at pp2
+    # loads at tp2 and in one process: the same names.
+    refs = run_ranks(fit_cases, 1, [(m, None, GLOBAL_BATCH) for m in TITAN], timeout=900)[0]
+    tied = [("titan_tied", {"pipeline_parallel": 2, "pipeline_schedule": s}, GLOBAL_BATCH) for s in SCHEDULES]
+    ring = [(m, {"context_parallel": 2}, GLOBAL_BATCH) for m in TITAN]
+    # FSDP2 units and activation checkpointing per block of the ModuleDict.
+    ring.append(("titan_tied", {"zero_stage": 3}, GLOBAL_BATCH // 2, {"checkpointing": "full", "tag": "zero3-ac"}))
+    saved = str(tmp_path / "pp2.ckpt")
+    save = [("titan_untied", {"pipeline_parallel": 2}, GLOBAL_BATCH, {"steps": 3, "save_to": saved, "tag": "save"})]
+    outs = run_ranks(fit_cases, 2, tied + ring + save, timeout=1800)
+    for name, kwargs, _, *extra in tied + ring:
+        key = (name, extra[0]["tag"] if extra else repr(kwargs))
+        assert_exact(refs[(name, "None")], [o[key] for o in outs], sharded="context_parallel" not in kwargs)
+    written = {k: v for o in outs for k, v in o[("titan_untied", "save")]["params"].items()}
+    load = [("titan_untied", {"tensor_parallel": 2}, GLOBAL_BATCH, {"steps": 3, "ckpt_path": saved, "tag": "load"})]
+    for world, layout in ((2, "tp2"), (1, "one process")):
+        cases = load if world == 2 else [("titan_untied", {}, GLOBAL_BATCH, {"steps": 3, "ckpt_path": saved, "tag": "load"})]
+        for out in run_ranks(fit_cases, world, cases, timeout=900):
+            loaded = out[("titan_untied", "load")]
+            assert "error" not in loaded, loaded["error"]
+            assert sorted(loaded["params"]) == sorted(written), layout
+            for key, value in written.items():
+                torch.testing.assert_close(loaded["params"][key], value, atol=0, rtol=0, msg=f"{layout}: {key}")

@@ -277,17 +277,21 @@ class HFCausalLM(LightningModule):
 
 
 class _Tokens(Dataset):
-    """Random token windows; ``padded``: right-padded to SEQ from random lengths (labels -100, attention mask)."""
+    """Random token windows; ``padded``: right-padded to SEQ from random lengths (labels -100, attention mask);
+    ``pairs``: (inputs, targets) from windows of SEQ + 1 tokens, as pretraining data comes, instead of dicts."""
 
-    def __init__(self, n: int, seed: int = 1234, padded: bool = False) -> None:
+    def __init__(self, n: int, seed: int = 1234, padded: bool = False, pairs: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(2, VOCAB, (n, SEQ), generator=g)
         self.lengths = torch.randint(3, SEQ + 1, (n,), generator=g) if padded else None
+        self.next = torch.randint(2, VOCAB, (n, 1), generator=g) if pairs else None  # each window's last target
 
     def __len__(self) -> int:
         return len(self.ids)
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, i: int) -> Any:
+        if self.next is not None:
+            return self.ids[i], torch.cat([self.ids[i][1:], self.next[i]])
         if self.lengths is None:
             return {"input_ids": self.ids[i], "labels": self.ids[i]}
         keep = torch.arange(SEQ) < self.lengths[i]
@@ -298,9 +302,9 @@ class _Tokens(Dataset):
 class DictTokenData(LightningDataModule):
     """Dict batches in a fixed order: data-parallel rank r takes samples r, r+dp, ... (no shuffling)."""
 
-    def __init__(self, batch_size: int, n: int = SAMPLES, padded: bool = False) -> None:
+    def __init__(self, batch_size: int, n: int = SAMPLES, padded: bool = False, pairs: bool = False) -> None:
         super().__init__()
-        self.data, self.batch_size = _Tokens(n, padded=padded), batch_size
+        self.data, self.batch_size = _Tokens(n, padded=padded, pairs=pairs), batch_size
 
     def train_dataloader(self) -> DataLoader:
         return ordered_loader(self.data, self.batch_size, self.trainer.strategy, drop_last=True)
@@ -446,7 +450,8 @@ def fit_case(
         module.model = AutoModelForCausalLM.from_pretrained(pretrained, config=module.model.config)
     if litgpt_pretrained is not None and strategy_kwargs is None:
         module.model.load_state_dict(torch.load(f"{litgpt_pretrained}/lit_model.pth", weights_only=True))
-    trainer.fit(module, datamodule=DictTokenData(batch_size, n=samples, padded=padded), ckpt_path=ckpt_path)
+    data = DictTokenData(batch_size, n=samples, padded=padded, pairs=getattr(module, "batch_pairs", False))
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     if save_hf is not None:

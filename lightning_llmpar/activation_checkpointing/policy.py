@@ -280,8 +280,8 @@ class ActivationCheckpointing(Callback):
         stack = find_block_stack(module)
         if stack is None:
             raise ValueError(
-                f"Activation checkpointing works per block; no stack of blocks (an nn.ModuleList of them) was found"
-                f" in {type(module).__name__}. Name it with block_stack='...'."
+                "Activation checkpointing works per block; no stack of blocks (an nn.ModuleList or nn.ModuleDict of"
+                f" them) was found in {type(module).__name__}. Name it with block_stack='...'."
             )
         self.planner = wrap_blocks(stack.modules(), self.plan, stack.names(), _lockstep_groups(mesh), self.measure)
         self.applied = True

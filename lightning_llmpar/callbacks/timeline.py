@@ -10,7 +10,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 
-from lightning_llmpar.pipeline.runner import bubble_fraction
+from lightning_llmpar.pipeline.stages import bubble_fraction
 
 __all__ = ["PipelineTimeline", "draw_timeline", "bubble_fraction"]
 

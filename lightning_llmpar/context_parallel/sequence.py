@@ -162,7 +162,7 @@ def shard_batch(batch: Any, cp: int, rank: int, mode: str) -> tuple[Any, Sequenc
         return out, shard
     if isinstance(batch, (list, tuple)):
         out = type(batch)(cut(x) for x in batch) if isinstance(batch, list) else tuple(cut(x) for x in batch)
-        if len(out) >= 2 and isinstance(out[1], Tensor) and out[1].shape == first.shape:
+        if len(batch) >= 2 and isinstance(batch[1], Tensor) and batch[1].shape == first.shape:
             shard.targets = out[1]  # (inputs, targets) pairs carry targets already shifted
         return out, shard
     return cut(batch), shard

@@ -1,7 +1,10 @@
 """The model convention every technique relies on: a stack of blocks inside the model.
 
 Most transformer LMs keep their layers in one ``nn.ModuleList`` (``model.layers``, ``transformer.h``,
-``blocks``...). We find it by structure, not by name, so a model written elsewhere fits unchanged.
+``blocks``...); torchtitan's models and other training libraries keep them in an ``nn.ModuleDict`` keyed "0".."N-1"
+and iterate its ``values()`` (a pipeline stage deletes entries, so parameter names stay the whole model's). We find
+either by structure, not by name, so a model written elsewhere fits unchanged. Blocks are addressed by position
+(``block_at``) and named by their key (``stack_keys``), which is the same thing for a ModuleList.
 """
 
 from __future__ import annotations
@@ -12,8 +15,11 @@ from dataclasses import dataclass
 from torch import nn
 
 __all__ = [
-    "BlockStack", "count_attr", "find_block_stack", "first_arg_name", "has_forward", "mark_block_stack", "num_params",
+    "BlockStack", "block_at", "count_attr", "find_block_stack", "first_arg_name", "has_forward", "mark_block_stack",
+    "num_params", "stack_keys",
 ]
+
+Stack = nn.ModuleList | nn.ModuleDict
 
 
 def count_attr(owner: object, attr: str) -> int | None:
@@ -28,10 +34,10 @@ def count_attr(owner: object, attr: str) -> int | None:
 
 @dataclass(frozen=True)
 class BlockStack:
-    """Where the repeated blocks live: ``prefix`` is the ModuleList's qualified name."""
+    """Where the repeated blocks live: ``prefix`` is the ModuleList's (or ModuleDict's) qualified name."""
 
     prefix: str
-    blocks: nn.ModuleList
+    blocks: Stack
     # Modules outside the stack seen to run before / after its blocks in one run of the model's step
     # (empty: not observed; the pipeline split then goes by registration order and names).
     ran_before: frozenset[str] = frozenset()
@@ -47,10 +53,31 @@ class BlockStack:
     def modules(self) -> list[nn.Module]:
         return [m for m in self.blocks._modules.values() if m is not None]
 
+    def keys(self) -> list[str]:
+        """Every block's key in the whole model, in order (also on a pipeline rank that holds only some)."""
+        return stack_keys(self.blocks)
+
     @property
     def total(self) -> int:
         """Number of blocks in the whole model (also on a pipeline rank that holds only some)."""
         return len(self.blocks)
+
+
+def stack_keys(blocks: Stack) -> list[str]:
+    """The keys of a stack's blocks in the whole model, in the order the forward runs them: "0".."N-1" for a
+    ModuleList, the ModuleDict's own (in insertion order, which ``values()`` follows); a stack narrowed to a
+    pipeline stage's blocks remembers the keys it had."""
+    kept = getattr(blocks, "_llmpar_keys", None)
+    if kept is not None:
+        return list(kept)
+    if isinstance(blocks, nn.ModuleDict):
+        return list(blocks._modules)
+    return [str(i) for i in range(len(blocks))]
+
+
+def block_at(blocks: Stack, index: int) -> nn.Module:
+    """The block at position ``index`` of the whole stack (KeyError where a pipeline rank does not hold it)."""
+    return blocks._modules[stack_keys(blocks)[index]]  # type: ignore[return-value]
 
 
 def has_forward(module: nn.Module) -> bool:
@@ -68,7 +95,7 @@ def num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-MARK = "_llmpar_block_stack"  # set on the ModuleList a user named with LLMParallelStrategy(block_stack=...)
+MARK = "_llmpar_block_stack"  # set on the stack a user named with LLMParallelStrategy(block_stack=...)
 
 
 def mark_block_stack(model: nn.Module, name: str) -> None:
@@ -77,9 +104,11 @@ def mark_block_stack(model: nn.Module, name: str) -> None:
         stack = model.get_submodule(name)
     except AttributeError as err:
         raise ValueError(f"block_stack={name!r} names no module of {type(model).__name__}.") from err
-    if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
+    if not isinstance(stack, (nn.ModuleList, nn.ModuleDict)) or len(stack) == 0:
+        what = "an empty " + type(stack).__name__ if isinstance(stack, (nn.ModuleList, nn.ModuleDict)) else (
+            "a " + type(stack).__name__)
         raise ValueError(
-            f"block_stack={name!r} is a {type(stack).__name__}; it must name the nn.ModuleList holding the model's"
+            f"block_stack={name!r} is {what}; it must name the nn.ModuleList or nn.ModuleDict holding the model's"
             " blocks, e.g. 'model.layers'."
         )
     setattr(stack, MARK, True)
@@ -94,10 +123,13 @@ def _is_stack(module: nn.Module) -> bool:
     """A ModuleList that can be the block stack: children of one class (a plain transformer, containers included),
     or composite blocks of a few classes, each repeated (hybrid models interleave attention and state-space layers:
     Jamba). Requiring repeats keeps a list of distinct sub-models (an encoder and a decoder) from being taken for
-    blocks: the lists inside them are."""
-    if not isinstance(module, nn.ModuleList) or len(module) == 0:
+    blocks: the lists inside them are. A ModuleDict (torchtitan's ``layers``) counts when its entries are composite
+    blocks of that kind: dicts of single layers (peft's ``lora_A``, per-task heads) are not stacks."""
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) == 0:
         return False
     children = list(module._modules.values())
+    if isinstance(module, nn.ModuleDict) and not all(child is not None and _is_composite(child) for child in children):
+        return False
     classes = {type(child) for child in children}
     if len(classes) == 1:
         return True
@@ -105,12 +137,12 @@ def _is_stack(module: nn.Module) -> bool:
 
 
 def find_block_stack(model: nn.Module) -> BlockStack | None:
-    """The ModuleList named by the user (``block_stack``), else the ModuleList of blocks (``_is_stack``) holding the
-    most parameters, or None if there is none."""
+    """The stack named by the user (``block_stack``), else the ModuleList or ModuleDict of blocks (``_is_stack``)
+    holding the most parameters, or None if there is none."""
     for name, module in model.named_modules():
         if getattr(module, MARK, False):
             return BlockStack(prefix=name, blocks=module)  # type: ignore[arg-type]
-    best: tuple[int, str, nn.ModuleList] | None = None
+    best: tuple[int, str, Stack] | None = None
     for name, module in model.named_modules():
         if not _is_stack(module):
             continue

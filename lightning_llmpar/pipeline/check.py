@@ -25,14 +25,8 @@ from torch.utils._pytree import tree_map
 from lightning_llmpar.modeling.materialize import has_meta_tensors, materialize
 from lightning_llmpar.modeling.structure import BlockStack
 from lightning_llmpar.modeling.ties import find_tied_weights, retie
-from lightning_llmpar.pipeline.split import (
-    _StandIn,
-    narrow_blocks,
-    output_form,
-    outside_owners,
-    seeded_noise,
-    stage_program,
-)
+from lightning_llmpar.pipeline.split import _StandIn, outside_owners, seeded_noise, stage_program
+from lightning_llmpar.pipeline.window import narrow_blocks, output_form, widen_blocks
 from lightning_llmpar.training.quiet import quiet_step
 
 __all__ = ["Reference", "check_split", "checkable", "first_sample", "run_whole"]
@@ -164,8 +158,8 @@ def run_whole(module: nn.Module, stack: BlockStack, step: Callable[[], Any]) -> 
 
         return hook
 
-    hooks = [blocks[i].register_forward_hook(record(i)) for i in range(len(blocks))]
-    hooks += [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
+    hooks = [b.register_forward_hook(record(i)) for i, b in enumerate(stack.modules())]
+    hooks += [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(stack.modules())]
     for name, sub in module.named_modules():
         inside = name == stack.prefix or name.startswith(stack.prefix + ".")
         if not inside and any(True for _ in sub.parameters(recurse=False)):
@@ -262,9 +256,7 @@ def check_split(
             incoming = value
         return replicate
     finally:
-        blocks.__class__ = original_class
-        for attr in ("_llmpar_total", "_llmpar_passes", "_llmpar_window", "_llmpar_entered"):
-            blocks.__dict__.pop(attr, None)
+        widen_blocks(blocks, original_class)
         module.train(was_training)
 
 

@@ -25,19 +25,20 @@ from torchmetrics import Metric
 
 from lightning_llmpar.modeling.ties import TiedCopies
 from lightning_llmpar.pipeline.split import BATCH_KWARG, StageModule, stage_program
-from lightning_llmpar.pipeline.stages import StageLayout, build_schedule
+from lightning_llmpar.pipeline.stages import StageLayout, bubble_fraction, build_schedule
 from lightning_llmpar.training.batches import batch_size
+from lightning_llmpar.training.logged_loss import LoggedCall, captured_logs, is_the_loss
 from lightning_llmpar.training.loss_normalization import TokenNormalizer
 from lightning_llmpar.training.quiet import frozen_metrics, synced_only
 
-__all__ = ["PipelineRunner", "bubble_fraction"]
+__all__ = ["PipelineRunner"]
 
 
 class PipelineRunner:
     def __init__(
         self,
         module: LightningModule,
-        blocks: nn.ModuleList,
+        blocks: nn.ModuleList | nn.ModuleDict,
         layout: StageLayout,
         parts: dict[int, dict[str, nn.Module]],
         swaps: dict[str, tuple[nn.Module, nn.Module]],
@@ -57,8 +58,13 @@ class PipelineRunner:
         self._schedules: dict[tuple[int, bool], Any] = {}
         self._stages: list[PipelineStage] | None = None
         self._method, self._step_args = "training_step", ()
-        self._logged: list[tuple[str, Any, dict[str, Any]]] = []
+        self._logged: list[LoggedCall] = []
         self._outputs: list[Any] = []
+        # Per microbatch on the last stage: the loss the user's step returned, its valid targets (token normalization).
+        self._raw_losses: list[Tensor] = []
+        self._tokens_of: list[int] = []
+        self.step_loss: Tensor | None = None  # the step's loss and its valid targets, on every pp rank
+        self.step_tokens = 1.0
         self._stash: dict[nn.Parameter, Tensor | None] = {}
         self._accumulate = 1
         self._inferring = 0
@@ -217,7 +223,7 @@ class PipelineRunner:
         cut, out = stage_program(self.module, self.blocks, self.layout.block_ranges[stage], last, incoming, stand_ins, call)
         if cut:
             return out
-        loss = out.get("loss") if isinstance(out, dict) else out
+        loss = raw = out.get("loss") if isinstance(out, dict) else out
         if cp is not None:
             # This microbatch's share of the cp group's targets; the step's result is the weighted loss (its mean
             # over the cp ranks is one process's).
@@ -225,28 +231,19 @@ class PipelineRunner:
             out = {**out, "loss": loss} if isinstance(out, dict) else loss
         if not self._inferring:
             self._outputs.append(out)
+            if self._method == "training_step":
+                self._raw_losses.append(raw)
         if self._method == "training_step":
             if self.tokens is not None:
-                return loss * (self.tokens.count(full) if self._inferring else self.tokens.add(full))
+                n = self.tokens.count(full) if self._inferring else self.tokens.add(full)
+                if not self._inferring:
+                    self._tokens_of.append(n)
+                return loss * n
             return loss
         # Eval steps return nothing the schedule needs, but it concatenates last-stage outputs.
         return torch.zeros(1, device=self.device)
 
     # ------------------------------------------------------------------ one Lightning step
-
-    @contextmanager
-    def _capture_logs(self) -> Iterator[None]:
-        self._logged = []
-
-        def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-            if not self._inferring:
-                self._logged.append((name, value, kwargs))
-
-        self.module.log = record  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            del self.module.log  # the instance attribute shadowed the method
 
     def run(self, method: str, batch: Any, step_args: tuple, accumulate: int = 1) -> Any:
         """Run ``method`` (e.g. 'training_step') on ``batch`` through the schedule; return its result."""
@@ -254,12 +251,12 @@ class PipelineRunner:
         training = method == "training_step"
         n_mb = self.microbatches_for(size, training)
         self._method, self._step_args, self._n_mb, self._accumulate = method, step_args, n_mb, accumulate
-        self._outputs = []
+        self._outputs, self._raw_losses, self._tokens_of = [], [], []
         schedule = self._schedule(n_mb, training)
         placeholder = torch.zeros(size, device=self.device)  # the loss lives in the stage output, not a target
         start = time.perf_counter()
         self.timeline = []
-        with self._capture_logs():
+        with captured_logs(self.module, keep=lambda: not self._inferring) as self._logged:
             if training:
                 self._stash_grads()
                 with self._context_parallel_step():
@@ -270,8 +267,9 @@ class PipelineRunner:
             else:
                 schedule.eval(target=placeholder, **{BATCH_KWARG: batch})
         self.step_window = (start, time.perf_counter())
+        result = self._result(method)
         self._replay_logs()
-        return self._result(method)
+        return result
 
     @contextmanager
     def _context_parallel_step(self) -> Iterator[None]:
@@ -293,10 +291,14 @@ class PipelineRunner:
         if method == "training_step":
             losses = [o.get("loss") if isinstance(o, dict) else o for o in outs]
             value = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else torch.zeros(())
+            counts = torch.tensor(self._tokens_of[-len(losses) :] if losses and self.tokens else [1.0], dtype=torch.float32)
+            tokens = counts.sum()
+            if losses and self.tokens is not None and float(tokens) > 0:  # the mean over the step's valid targets
+                value = (torch.stack([loss.detach().float().cpu() for loss in losses]) * counts).sum() / tokens
             has_extras = float(bool(outs) and isinstance(outs[0], dict) and len(outs[0]) > 1)
-            packed = torch.stack([value, torch.tensor(has_extras)]).to(self.device)  # one broadcast per step
+            packed = torch.stack([value.cpu(), torch.tensor(has_extras), tokens]).to(self.device)  # one broadcast
             dist.broadcast(packed, group=self.pp_group, group_src=self.last_rank)
-            value = packed[0]
+            value, self.step_loss, self.step_tokens = packed[0], packed[0], float(packed[2])
             if not packed[1]:
                 return value
             box = [_merge([{k: v for k, v in o.items() if k != "loss"} for o in outs]) if self.is_last else None]
@@ -309,33 +311,40 @@ class PipelineRunner:
     # ------------------------------------------------------------------ logging
 
     def _replay_logs(self) -> None:
-        # Only the last stage ran the step to the end; average what it logged over microbatches and
-        # log the same on every rank, so loggers on rank 0 and sync_dist collectives see it everywhere.
+        # Only the last stage ran the step to the end; average what it logged over microbatches and log the same on
+        # every rank, so loggers on rank 0 and sync_dist collectives see it everywhere. Each microbatch's own loss is
+        # logged as the step's (the tensor it returns), which the strategy logs as the global batch's (logged_loss).
         metric_names = {id(m): n for n, m in self.module.named_modules() if isinstance(m, Metric)}
-        summary: list[tuple[str, Any, dict[str, Any]]] = []
+        summary: list[tuple[str, Any, tuple, dict[str, Any]]] = []
         if self.is_last:
             values: dict[str, list[Any]] = defaultdict(list)
-            kwargs_of: dict[str, dict[str, Any]] = {}
-            for name, value, kwargs in self._logged[-self._n_mb * 64 :]:
-                values[name].append(value)
-                kwargs_of[name] = kwargs
+            call_of: dict[str, LoggedCall] = {}
+            for call in self._logged[-self._n_mb * 64 :]:
+                values[call.name].append(call.value)
+                call_of[call.name] = call
+            raws = self._raw_losses[-self._n_mb :]
             for name, vals in values.items():
-                last = vals[-1]
+                last, call = vals[-1], call_of[name]
                 if isinstance(last, Metric):
-                    summary.append((name, ("metric", metric_names.get(id(last), "")), kwargs_of[name]))
+                    payload: tuple = ("metric", metric_names.get(id(last), ""))
+                elif len(vals) == len(raws) and raws and all(is_the_loss(v, r) for v, r in zip(vals, raws)):
+                    payload = ("loss", None)
                 else:
                     nums = [float(v.detach().float().mean()) if isinstance(v, Tensor) else float(v) for v in vals[-self._n_mb :]]
-                    summary.append((name, ("value", sum(nums) / len(nums)), kwargs_of[name]))
+                    payload = ("value", sum(nums) / len(nums))
+                summary.append((name, payload, call.args, call.kwargs))
         box = [summary]
         dist.broadcast_object_list(box, group=self.pp_group, group_src=self.last_rank)
-        for name, (kind, payload), kwargs in box[0]:
+        for name, (kind, payload), args, kwargs in box[0]:
             if kind == "metric":
                 value = self.module.get_submodule(payload)
                 if not self.is_last:
                     synced_only(value)
+            elif kind == "loss" and self.step_loss is not None:
+                value = self.step_loss
             else:
                 value = torch.tensor(payload, device=self.device)
-            self.module.log(name, value, **kwargs)
+            self.module.log(name, value, *args, **kwargs)
 
     # ------------------------------------------------------------------ gradients
 
@@ -366,13 +375,6 @@ class PipelineRunner:
     def bubble_fraction(self) -> float:
         """Idle share of this rank during the last step."""
         return bubble_fraction(self.timeline, self.step_window)
-
-
-def bubble_fraction(actions: list[tuple], window: tuple[float, float]) -> float:
-    """Idle share of one rank in one step: 1 - (time inside stage compute) / (step time)."""
-    start, end = window
-    busy = sum(t1 - t0 for *_, t0, t1 in actions)
-    return max(0.0, 1.0 - busy / max(end - start, 1e-9))
 
 
 def _divisor(size: int, most: int) -> int:

@@ -10,17 +10,16 @@ names never change, so checkpoints move between layouts.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 
-from lightning_llmpar.modeling.structure import BlockStack, first_arg_name, num_params
+from lightning_llmpar.modeling.structure import BlockStack, Stack, block_at, first_arg_name, num_params
 from lightning_llmpar.modeling.ties import TiedWeight, split_copies
 from lightning_llmpar.pipeline.stages import StageLayout
+from lightning_llmpar.pipeline.window import meta_copy, narrow_blocks, output_form, widen_blocks
 
 __all__ = [
     "split_model",
@@ -30,6 +29,7 @@ __all__ = [
     "stage_program",
     "outside_owners",
     "narrow_blocks",
+    "widen_blocks",
     "output_form",
     "seeded_noise",
 ]
@@ -43,15 +43,6 @@ class StageBoundary(Exception):
     def __init__(self, activation: Tensor) -> None:
         super().__init__("pipeline stage boundary")
         self.activation = activation.contiguous()  # sent point to point, which takes no views (Inkling's blocks)
-
-
-def _meta_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` on the meta device, made without copying its data."""
-    memo: dict[int, Any] = {}
-    for tensor in [*module.parameters(), *module.buffers()]:
-        empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-        memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
-    return copy.deepcopy(module, memo)
 
 
 def seeded_noise(shape: Any, seed: int, device: Any, dtype: torch.dtype) -> Tensor:
@@ -69,13 +60,13 @@ class _StandIn(nn.Module):
     """
 
     def __init__(
-        self, original: nn.Module, name: str, before_stack: bool, blocks: nn.ModuleList, dtype: torch.dtype | None = None
+        self, original: nn.Module, name: str, before_stack: bool, blocks: Stack, dtype: torch.dtype | None = None
     ) -> None:
         super().__init__()
         self.name, self.before_stack, self.dtype = name, before_stack, dtype
         self.noise: int | None = None  # the split check's seed for random outputs instead of zeros
         self.num_embeddings = getattr(original, "num_embeddings", None)
-        self._meta = [_meta_copy(original)] if before_stack else []  # list: not a submodule
+        self._meta = [meta_copy(original)] if before_stack else []  # list: not a submodule
         self._blocks = [blocks]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -108,105 +99,6 @@ class _StandIn(nn.Module):
         # ids to the embedding's device): a zero-stride tensor of that shape on this stage's device, no memory.
         device = next((p.device for p in self._blocks[0].parameters()), torch.device("cpu"))
         return torch.zeros((), dtype=self.dtype or param.dtype, device=device).expand(param.shape)
-
-
-class _PassThrough(nn.Module):
-    """Stands for a block before the current stage's first block: returns its input unchanged, in the form the
-    block's output has (a tuple led by it: Bamba's forward unpacks two values from every block), and answers
-    reads of the block's plain attributes (Nemotron-H's forward reads each block's ``block_type``). Both come
-    from a copy of the block on the meta device. The output form is the one seen in a run of the whole model
-    when there was one; else the copy's, on the first call (code the meta device cannot run, such as grouped
-    expert kernels, cannot tell it)."""
-
-    def __init__(self, block: nn.Module, form: tuple | None = None) -> None:
-        super().__init__()
-        self._meta = [_meta_copy(block)]  # list: not a submodule
-        self._form = form  # () a tensor; else the tuple's items (None where a tensor is)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        first = args[0] if args else next(iter(kwargs.values()))
-        if self._form is None:
-            self._form = self._find_form(args, kwargs)
-        if not self._form:
-            return first
-        out = tuple(first if i == 0 else item for i, item in enumerate(self._form))
-        return list(out) if isinstance(self._form, ListForm) else out
-
-    def _find_form(self, args: tuple, kwargs: dict) -> tuple:
-        to_meta = lambda t: t.to("meta") if isinstance(t, Tensor) else t  # noqa: E731
-        try:
-            out = self._meta[0](*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
-        except Exception:  # noqa: BLE001 - code the meta device cannot run: take the block for one returning a tensor
-            return ()
-        return output_form(out)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            value = getattr(self._meta[0], name)
-        if isinstance(value, Tensor):
-            raise AttributeError(f"{name!r} of a block on another pipeline stage")
-        # A submodule answers from the meta copy: a forward that walks every block's weights in place (RWKV rescales
-        # them when switching between training and eval) leaves other stages' blocks to their own stage; a value
-        # computed from a meta tensor cannot meet a real one without an error.
-        return value
-
-
-class ListForm(tuple):
-    """The form of a block that returns a list (OpenAI GPT's blocks), not a tuple."""
-
-
-def output_form(out: Any) -> tuple:
-    """A block output's form: () for a tensor, else a tuple's (or list's: :class:`ListForm`) items with None where
-    a tensor is. Other tensors (attention weights when asked for) are not faked by a pass-through: code using them
-    fails loudly."""
-    if not isinstance(out, (tuple, list)) or not out or not isinstance(out[0], Tensor):
-        return ()
-    items = (None if isinstance(item, Tensor) else item for item in out)
-    return ListForm(items) if isinstance(out, list) else tuple(items)
-
-
-def narrow_blocks(blocks: nn.ModuleList, forms: Sequence[tuple] = ()) -> None:
-    """Turn ``blocks`` into a ``_StageBlocks`` (before any block is removed: each gets its pass-through, with the
-    output form seen in a run of the whole model, if any)."""
-    passes = [_PassThrough(block, forms[i] if i < len(forms) else None) for i, block in enumerate(blocks)]
-    blocks.__class__ = _StageBlocks
-    blocks._llmpar_total, blocks._llmpar_passes = len(passes), passes  # type: ignore[attr-defined]
-    blocks._llmpar_window, blocks._llmpar_entered = None, False  # type: ignore[attr-defined]
-
-
-class _StageBlocks(nn.ModuleList):
-    """The block stack with only this rank's blocks, iterated through the active stage's window.
-
-    Blocks of other ranks are removed but the remaining keep their indices as names, so parameter
-    names are the same in every layout.
-    """
-
-    _llmpar_total: int
-    _llmpar_passes: list[_PassThrough]
-    _llmpar_window: tuple[int, ...] | None
-    _llmpar_entered: bool
-
-    def _active(self, indices: Sequence[int]) -> list[nn.Module]:
-        window = self._llmpar_window
-        if window is None:
-            return [self._modules[str(i)] for i in indices if str(i) in self._modules]
-        # Blocks before the stage's window run as pass-throughs (their output is replaced by the received
-        # activation), so a forward that pairs blocks with per-layer lists by position (enumerate,
-        # zip(layer_types, layers)) keeps every block at its own index. Nothing after the window runs.
-        return [self._modules[str(i)] if i in window else self._llmpar_passes[i] for i in indices if i < window[-1] + 1]
-
-    def __iter__(self):  # type: ignore[override]
-        return iter(self._active(range(self._llmpar_total)))
-
-    def __len__(self) -> int:
-        return self._llmpar_total
-
-    def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]
-        if isinstance(idx, slice):
-            return self._active(range(self._llmpar_total)[idx])
-        return self._modules[str(idx if idx >= 0 else self._llmpar_total + idx)]
 
 
 # Names of modules that run after the block stack even when registered before it (OPT's decoder
@@ -266,7 +158,7 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def stage_program(
     module: nn.Module,
-    blocks: nn.ModuleList,
+    blocks: Stack,
     window: tuple[int, int],
     last: bool,
     incoming: Tensor | None,
@@ -282,7 +174,7 @@ def stage_program(
     originals = {name: module.get_submodule(name) for name in stand_ins}
     for name, stand_in in stand_ins.items():
         replace_module(module, name, stand_in)
-    first = blocks[start]
+    first = block_at(blocks, start)
     arg = first_arg_name(first)
 
     def enter(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -298,7 +190,7 @@ def stage_program(
 
     handles = [first.register_forward_pre_hook(enter, with_kwargs=True)]
     if not last:
-        handles.append(blocks[stop - 1].register_forward_hook(boundary))
+        handles.append(block_at(blocks, stop - 1).register_forward_hook(boundary))
     try:
         return False, call()
     except StageBoundary as done:
@@ -329,12 +221,13 @@ class StageModule(nn.Module):
 def stage_finder(model: nn.Module, stack: BlockStack, layout: StageLayout) -> Callable[[str], int]:
     """Maps a parameter name of the unsplit model to the stage that holds it."""
     before, after = outside_owners(model, stack)
+    position = {key: i for i, key in enumerate(stack.keys())}
     block_stage = {i: s for s, (start, stop) in enumerate(layout.block_ranges) for i in range(start, stop)}
 
     def stage_of(name: str) -> int:
         module = name.rpartition(".")[0]
         if stack.prefix and module.startswith(stack.prefix + "."):
-            return block_stage[int(module[len(stack.prefix) + 1 :].split(".", 1)[0])]
+            return block_stage[position[module[len(stack.prefix) + 1 :].split(".", 1)[0]]]
         if any(module == o or module.startswith(o + ".") for o in before):
             return 0
         if any(module == o or module.startswith(o + ".") for o in after):
@@ -365,11 +258,11 @@ def split_model(
     last = layout.num_stages - 1
     split_copies(model, tied, stage_finder(model, stack, layout), local)
     parts: dict[int, dict[str, nn.Module]] = {s: {} for s in local}
-    blocks = stack.blocks
+    blocks, keys = stack.blocks, stack.keys()
     for s in local:
         start, stop = layout.block_ranges[s]
         for i in range(start, stop):
-            parts[s][f"{stack.prefix}.{i}"] = blocks[i]
+            parts[s][f"{stack.prefix}.{keys[i]}"] = blocks._modules[keys[i]]
     swaps: dict[str, tuple[nn.Module, nn.Module]] = {}
     for name in before:
         if replicate_before:
@@ -384,7 +277,7 @@ def split_model(
             parts[last][name] = model.get_submodule(name)
         else:
             replace_module(model, name, _StandIn(model.get_submodule(name), name, False, blocks))
-    keep = {str(i) for s in local for i in range(*layout.block_ranges[s])}
+    keep = {keys[i] for s in local for i in range(*layout.block_ranges[s])}
     narrow_blocks(blocks, stack.forms)
     for key in list(blocks._modules):
         if key not in keep:
@@ -394,7 +287,7 @@ def split_model(
 
 def stage_costs(model: nn.Module, stack: BlockStack) -> tuple[list[int], int, int]:
     before, after = outside_owners(model, stack)
-    costs = [num_params(b) for b in stack.blocks]
+    costs = [num_params(b) for b in stack.modules()]
     first = sum(sum(p.numel() for p in model.get_submodule(n).parameters(recurse=False)) for n in before)
     last = sum(sum(p.numel() for p in model.get_submodule(n).parameters(recurse=False)) for n in after)
     return costs, first, last

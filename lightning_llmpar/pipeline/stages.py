@@ -13,7 +13,7 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-__all__ = ["SCHEDULES", "V_SCHEDULES", "StageLayout", "plan_stages", "build_schedule"]
+__all__ = ["SCHEDULES", "V_SCHEDULES", "StageLayout", "bubble_fraction", "build_schedule", "plan_stages"]
 
 # Name -> stages per rank it needs (None: any number >= 2).
 SCHEDULES: dict[str, int | None] = {
@@ -117,3 +117,10 @@ def build_schedule(
     if issubclass(cls, PipelineScheduleSingle):
         return cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def bubble_fraction(actions: list[tuple], window: tuple[float, float]) -> float:
+    """Idle share of one rank in one step: 1 - (time inside stage compute) / (step time)."""
+    start, end = window
+    busy = sum(t1 - t0 for *_, t0, t1 in actions)
+    return max(0.0, 1.0 - busy / max(end - start, 1e-9))

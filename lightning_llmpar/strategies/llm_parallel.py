@@ -34,6 +34,7 @@ from lightning_llmpar.strategies.options import BACKENDS, START_METHODS, validat
 from lightning_llmpar.tensor_parallel import Packing
 from lightning_llmpar.tensor_parallel.loss_parallel import LossParallel, split_logits
 from lightning_llmpar.training.batches import train_batch_sizes
+from lightning_llmpar.training.logged_loss import captured_logs, replay_logs, step_loss, true_loss
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -80,8 +81,8 @@ class LLMParallelStrategy(CheckpointingStrategy):
             and ignore_index -100 left out), exactly as one process computes it on the global batch; tokens
             are counted in a dict's 'labels' (shifted by one, as transformers' causal-LM loss) or the targets
             of an (inputs, targets) pair, or by a callable(batch) -> count given here.
-        block_stack: qualified name of the nn.ModuleList holding the model's blocks (e.g. 'model.layers'), for
-            models where the one found by structure is not it (see docs/model-convention.md).
+        block_stack: qualified name of the nn.ModuleList or nn.ModuleDict holding the model's blocks (e.g.
+            'model.layers'), for models where the one found by structure is not it (see docs/model-convention.md).
         pipeline_check: before splitting, run the step on one sample of the first training batch whole and
             stage by stage and refuse a split that computes something else (see docs/model-convention.md).
         litgpt_checkpoint: a LitGPT checkpoint directory (lit_model.pth + model_config.yaml) loaded into the
@@ -289,8 +290,13 @@ class LLMParallelStrategy(CheckpointingStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context(), split_logits(self.loss_parallel_heads) as done:
-            return done(self._step("training_step", *args, **kwargs))
+        with self.precision_plugin.train_step_context(), captured_logs(self.lightning_module) as logged:
+            with split_logits(self.loss_parallel_heads) as done:
+                output = done(self._step("training_step", *args, **kwargs))
+        tokens = self._composed.tokens if self._composed is not None else None
+        true = true_loss(self.layout, self._runner, self.context_parallel, tokens, loss := step_loss(output))
+        replay_logs(self.lightning_module, logged, loss, true)  # the global batch's loss (see training.logged_loss)
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -96,8 +96,8 @@ class _Planner(MoEPlanning, AttentionPlanning):
         stack = find_block_stack(self.model)
         if stack is None and not self.user_plan:
             raise ValueError(
-                f"Could not find a stack of transformer blocks (an nn.ModuleList of them) in"
-                f" {type(self.model).__name__}. Name it with block_stack='...', or pass an explicit"
+                f"Could not find a stack of transformer blocks (an nn.ModuleList or nn.ModuleDict of them)"
+                f" in {type(self.model).__name__}. Name it with block_stack='...', or pass an explicit"
                 f" `tp_plan` mapping module-name patterns to styles {sorted(TP_STYLES)}."
             )
         names = stack.names() if stack is not None else []

@@ -33,6 +33,7 @@ EXACT = [
     # runs on every rank, its gradient summed, under a schedule with one stage per rank.
     ("reads_embedding", {**PP2, "pipeline_schedule": "1F1B"}),
     ("reads_gated_embedding", {**PP2, "pipeline_schedule": "GPipe"}),
+    ("titan_untied", {**PP2, "block_stack": "model.layers"}),  # a ModuleDict stack, named
 ]
 # (model, strategy kwargs, words the ValueError must contain): refused before the first step.
 REFUSED = [
@@ -64,7 +65,7 @@ def litgpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
 
 @pytest.fixture(scope="module")
 def runs(litgpt_dir: Path | None) -> tuple[dict, dict]:
-    names = ("containers", "zipped", "passes_state", "reads_embedding", "reads_gated_embedding")
+    names = ("containers", "zipped", "passes_state", "reads_embedding", "reads_gated_embedding", "titan_untied")
     refs = [(m, None, BATCH) for m in names]
     cases = [(m, kw, _per_rank(kw)) for m, kw in EXACT] + [(m, kw, _per_rank(kw)) for m, kw, _ in REFUSED]
     if litgpt_dir is not None:
@@ -99,3 +100,23 @@ def test_refused_before_work(model: str, kwargs: dict[str, Any], words: list[str
 def test_litgpt_checkpoint_loads_per_rank(tag: str, runs: tuple[dict, dict]) -> None:
     reference, outs = runs
     assert_exact(reference[("litgpt_qwen3", "ckpt-ref")], [o[("litgpt_qwen3", tag)] for o in outs])
+
+
+def test_module_dict_stacks_are_found_and_dicts_of_single_layers_are_not() -> None:
+    from torch import nn
+
+    from lightning_llmpar.modeling.structure import block_at, find_block_stack, mark_block_stack
+    from tests.titan_models import Transformer, TransformerModelArgs
+
+    model = Transformer(TransformerModelArgs())
+    stack = find_block_stack(model)
+    assert stack is not None and stack.prefix == "layers" and isinstance(stack.blocks, nn.ModuleDict)
+    assert stack.keys() == ["0", "1", "2", "3"] and block_at(stack.blocks, 2) is model.layers["2"]
+    # A dict of single layers (per-task heads, peft's lora_A) is not a stack of blocks.
+    heads = nn.Module()
+    heads.heads = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+    assert find_block_stack(heads) is None
+    holder = nn.Module()
+    holder.layers = nn.ModuleDict()
+    with pytest.raises(ValueError, match="block_stack='layers' is an empty ModuleDict"):
+        mark_block_stack(holder, "layers")

@@ -1,0 +1,86 @@
+"""The loss a user's step logs (``self.log("train_loss", loss)``, no ``sync_dist``) is what one process logs on the
+same global batch, at every step, under context, pipeline, tensor, expert and data parallelism: through a user's
+module here, through ``llmpar fit`` and its CSV log in tests/cli/test_cli.py.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_llmpar.training.logged_loss import captured_logs, is_the_loss
+from tests.distributed import run_ranks
+from tests.zoo import fit_cases
+
+pytest.importorskip("transformers")
+
+TOKENS = {"loss_normalization": "tokens"}
+# (model, strategy kwargs, per-rank batch, options): the global batch is 8 everywhere. Padded batches give the ranks
+# (and a context-parallel rank's parts of the sequences) different numbers of valid targets.
+CASES = [
+    ("llama", {"context_parallel": 2}, 8, {"tag": "cp2"}),
+    ("titan_untied", {"context_parallel": 2}, 8, {"tag": "cp2"}),  # (inputs, targets) pairs, a ModuleDict stack
+    ("qwen3", {"context_parallel": 2}, 8, {"tag": "cp2_padded", "padded": True}),
+    ("llama", {"pipeline_parallel": 2}, 8, {"tag": "pp2"}),
+    ("qwen3", {"pipeline_parallel": 2, "pipeline_schedule": "1F1B", **TOKENS}, 8, {"tag": "pp2_tokens", "padded": True}),
+    ("llama", {"tensor_parallel": 2}, 8, {"tag": "tp2"}),
+    ("gpt_moe", {"expert_parallel": 2}, 4, {"tag": "ep2"}),
+    ("mixtral", {"expert_parallel": 2}, 4, {"tag": "ep2"}),
+    ("qwen3", {"zero_stage": 3, **TOKENS}, 4, {"tag": "dp2_tokens", "padded": True}),
+]
+
+
+def _reference_options(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k != "tag"}
+
+
+@cache
+def references() -> dict[tuple[str, str], Any]:
+    wanted = {}
+    for name, _, _, options in CASES:
+        key = repr(sorted(_reference_options(options).items()))
+        wanted[(name, key)] = (name, None, 8, {**_reference_options(options), "tag": key})
+    return run_ranks(fit_cases, 1, list(wanted.values()), timeout=900)[0]
+
+
+@cache
+def results() -> list[dict[tuple[str, str], Any]]:
+    return run_ranks(fit_cases, 2, CASES, timeout=1800)
+
+
+@pytest.mark.parametrize(("name", "tag"), [(c[0], c[3]["tag"]) for c in CASES])
+def test_logged_loss_is_one_process_loss_at_every_step(name: str, tag: str) -> None:
+    options = next(c[3] for c in CASES if c[0] == name and c[3]["tag"] == tag)
+    ref = references()[(name, repr(sorted(_reference_options(options).items())))]
+    assert "error" not in ref, ref["error"]
+    expected = [m["train_loss"] for m in ref["metrics"]]
+    assert len(expected) >= 6 and all(abs(a - b) < 1e-6 for a, b in zip(expected, ref["losses"]))
+    for rank, out in enumerate(results()):
+        run = out[(name, tag)]
+        assert "error" not in run, run["error"]
+        logged = [m["train_loss"] for m in run["metrics"]]
+        assert len(logged) == len(expected)
+        for step, (got, want) in enumerate(zip(logged, expected)):
+            assert abs(got - want) < 1e-5, f"rank {rank} step {step}: logged {got}, one process {want}"
+
+
+def test_the_loss_is_recognized_as_logged_and_other_values_are_not() -> None:
+    loss = torch.tensor(2.5, requires_grad=True) * 1.0
+    assert is_the_loss(loss, loss) and is_the_loss(loss.detach(), loss) and is_the_loss(2.5, loss)
+    assert not is_the_loss(loss.detach().clone(), loss) and not is_the_loss(loss * 2, loss)
+    assert not is_the_loss(1.0, loss) and not is_the_loss(True, loss)
+
+    class Module(torch.nn.Module):
+        def log(self, name: str, value: Any) -> None:
+            raise AssertionError("captured calls do not reach the method")
+
+    module = Module()
+    with captured_logs(module) as outer:
+        with captured_logs(module) as inner:
+            module.log("a", 1.0)
+        module.log("b", 2.0)
+    assert [c.name for c in inner] == ["a"] and [c.name for c in outer] == ["b"]
+    assert "log" not in module.__dict__  # the method is back
