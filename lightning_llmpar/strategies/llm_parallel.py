@@ -290,9 +290,12 @@ class LLMParallelStrategy(CheckpointingStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context(), captured_logs(self.lightning_module) as logged:
-            with split_logits(self.loss_parallel_heads) as done:
-                output = done(self._step("training_step", *args, **kwargs))
+        with (
+            self.precision_plugin.train_step_context(),
+            captured_logs(self.lightning_module) as logged,
+            split_logits(self.loss_parallel_heads) as done,
+        ):
+            output = done(self._step("training_step", *args, **kwargs))
         tokens = self._composed.tokens if self._composed is not None else None
         true = true_loss(self.layout, self._runner, self.context_parallel, tokens, loss := step_loss(output))
         replay_logs(self.lightning_module, logged, loss, true)  # the global batch's loss (see training.logged_loss)
