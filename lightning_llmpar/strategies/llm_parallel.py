@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -16,6 +15,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.optim import Optimizer
@@ -24,6 +24,7 @@ from typing_extensions import override
 from lightning_llmpar.activation_checkpointing.policy import ActivationCheckpointing
 from lightning_llmpar.checkpointing import dcp as ckpt
 from lightning_llmpar.compose import Composed, SetupContext, compose, composed_before
+from lightning_llmpar.checkpointing.manifest import LINEAGE_KEY, remove_owned
 from lightning_llmpar.context_parallel import ContextParallel
 from lightning_llmpar.data_parallel.backend import BackendContext, FSDP2Backend, ShardingBackend
 from lightning_llmpar.data_parallel.deepspeed import DeepSpeedBackend
@@ -100,6 +101,8 @@ class LLMParallelStrategy(MeshStrategy):
         compile: ``torch.compile`` each block of the model's block stack (in place, per block, as torchtitan).
         fused_optimizer: step Adam/AdamW with torch's fused kernel where the optimizer left the choice to torch.
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
+        checkpoint_weights_only: False: checkpoints you trust may hold what torch's safe loader refuses, and
+            DeepSpeed's are unpickled (which runs code); see docs/fault-tolerance.md.
     """
 
     strategy_name = "llmpar"
@@ -144,6 +147,7 @@ class LLMParallelStrategy(MeshStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        checkpoint_weights_only: bool | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -381,7 +385,7 @@ class LLMParallelStrategy(MeshStrategy):
     @property
     def tied_aliases(self) -> dict[str, str]:
         """Copies of tied weights on pipeline stages: local name -> the name one process gives the weight."""
-        return self._aliases()
+        return self._backend.aliases()
 
     @contextmanager
     @override
@@ -395,8 +399,7 @@ class LLMParallelStrategy(MeshStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's state dict, sharded (DTensors; only its pipeline stage's entries), as hooks such as
-        ``on_save_checkpoint`` see it. Nothing is gathered; ``save_checkpoint`` writes the shards itself."""
+        """This rank's sharded state dict, as hooks see it; nothing is gathered (``save_checkpoint`` writes shards)."""
         assert self.model is not None
         return get_model_state_dict(self.model)
 
@@ -406,38 +409,36 @@ class LLMParallelStrategy(MeshStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # loaded in `load_checkpoint`, where the sharded model is at hand
+        pass  # loaded in `load_checkpoint` (model and optimizers), where the sharded model is at hand
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # loaded in `load_checkpoint`
-
-    def _aliases(self) -> dict[str, str]:
-        return self._backend.aliases()
-
+        pass
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
-        path = Path(self.broadcast(str(filepath)))
-        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        meta["llmpar_layout"] = str(self.layout)
+        path = Path(self.broadcast(str(Path(filepath).expanduser())))
         # Lightning leaves optimizer state out of weights-only checkpoints (ModelCheckpoint(save_weights_only=True)).
-        meta["llmpar_optimizer_state"] = "optimizer_states" in checkpoint
-        ckpt.write_atomically(
+        meta = {**{k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")},
+                "llmpar_layout": str(self.layout), "llmpar_optimizer_state": "optimizer_states" in checkpoint}
+        ckpt.write_atomically(  # a path holding files this library did not write is refused on every rank
             path, lambda staging: self._backend.write_checkpoint(staging, meta), is_rank_zero=self.is_global_zero,
-            barrier=self.barrier,
+            barrier=self.barrier, broadcast=self.broadcast, kind=self._backend.checkpoint_kind,
+            lineage=checkpoint.get(LINEAGE_KEY),
         )
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        return self._backend.load_checkpoint(Path(self.broadcast(str(checkpoint_path))), weights_only)
+        path = Path(self.broadcast(str(Path(checkpoint_path).expanduser())))
+        problem, note = self.broadcast(ckpt.verdict(path) if self.is_global_zero else (None, None))  # all ranks alike
+        if problem is not None:
+            raise ValueError(f"Checkpoint {path} cannot be loaded: {problem}.")
+        if note is not None:
+            rank_zero_warn(note)
+        return self._backend.load_checkpoint(path, self.options.checkpoint_weights_only if weights_only is None else weights_only)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+        if self.is_global_zero:  # only the files its manifest names; anything else stays, with a warning
+            remove_owned(Path(filepath).expanduser())

@@ -43,6 +43,7 @@ class StrategyOptions:
     expert_capacity_factor: float | None = None
     compile: bool = False
     start_method: str = "popen"
+    checkpoint_weights_only: bool | None = None  # False: checkpoints are trusted (plain unpickling, DeepSpeed's)
 
 
 def positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
@@ -204,6 +205,8 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
     litgpt = str(check_litgpt_directory(a["litgpt_checkpoint"])) if a["litgpt_checkpoint"] is not None else None
     if hf is not None and litgpt is not None:
         raise ValueError("Give hf_checkpoint or litgpt_checkpoint, not both: they fill the same weights.")
+    if a.get("checkpoint_weights_only") not in (None, True, False):
+        raise ValueError(f"`checkpoint_weights_only` must be None, True or False, got {a['checkpoint_weights_only']!r}.")
     stack = a["block_stack"]
     if stack is not None and not isinstance(stack, str):
         raise ValueError(f"LLMParallelStrategy: `block_stack` must be a module name such as 'model.layers', got {stack!r}.")
@@ -226,4 +229,5 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
         count_tokens=count, context_parallel_mode=a["context_parallel_mode"], fused_optimizer=a["fused_optimizer"],
         sequence_parallel=a["sequence_parallel"], tp_plan=dict(a["tp_plan"] or {}), cpu_offload=a["cpu_offload"],
         expert_capacity_factor=a["expert_capacity_factor"], compile=a["compile"], start_method=a["start_method"],
+        checkpoint_weights_only=a.get("checkpoint_weights_only"),
     )
