@@ -23,8 +23,8 @@ from typing_extensions import override
 
 from lightning_llmpar.activation_checkpointing.policy import ActivationCheckpointing
 from lightning_llmpar.checkpointing import dcp as ckpt
-from lightning_llmpar.compose import Composed, SetupContext, compose, composed_before
 from lightning_llmpar.checkpointing.manifest import LINEAGE_KEY, remove_owned
+from lightning_llmpar.compose import Composed, SetupContext, compose, composed_before
 from lightning_llmpar.context_parallel import ContextParallel
 from lightning_llmpar.data_parallel.backend import BackendContext, FSDP2Backend, ShardingBackend
 from lightning_llmpar.data_parallel.deepspeed import DeepSpeedBackend
@@ -101,8 +101,7 @@ class LLMParallelStrategy(MeshStrategy):
         compile: ``torch.compile`` each block of the model's block stack (in place, per block, as torchtitan).
         fused_optimizer: step Adam/AdamW with torch's fused kernel where the optimizer left the choice to torch.
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
-        checkpoint_weights_only: False: checkpoints you trust may hold what torch's safe loader refuses, and
-            DeepSpeed's are unpickled (which runs code); see docs/fault-tolerance.md.
+        checkpoint_weights_only: False trusts checkpoints: plain unpickling, DeepSpeed's (docs/fault-tolerance.md).
     """
 
     strategy_name = "llmpar"
