@@ -34,6 +34,9 @@ def _files(folder: Path) -> list[str]:
 
 def publish(staging: Path, path: Path, kind: str) -> str | None:
     """Move the files of ``staging`` to ``path`` (rank 0); returns why it refused, or None once done."""
+    if path.exists() and not path.is_dir():
+        remove_tree(staging)
+        return f"{path} is a file, not a folder; export to a folder."
     if not path.exists() or not foreign_files(path):
         commit_staging(staging, path, kind=kind)  # everything there is ours: one crash-consistent swap
         return None
