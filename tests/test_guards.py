@@ -147,15 +147,24 @@ def test_pipeline_returns_what_the_step_returned_and_hooks_see_the_state_dict(tm
 
 
 def test_pruning_keeps_files_the_run_did_not_write(tmp_path: Path) -> None:
+    from lightning_llmpar.checkpointing.manifest import write_manifest
+
     for name in ("best.ckpt", "epoch=0-step=10.ckpt", "user.partial", ".epoch=0-step=10.ckpt.partial"):
         (tmp_path / name).mkdir()
-    for step in (3, 6, 9):
+    for step, lineage in ((1, "another run"), (3, "this run"), (6, "this run"), (9, "this run")):
         (tmp_path / f"step={step}.ckpt").mkdir()
+        (tmp_path / f"step={step}.ckpt" / "__0_0.distcp").write_bytes(b"shard")
+        write_manifest(tmp_path / f"step={step}.ckpt", "dcp", lineage)
+    (tmp_path / "step=3.ckpt" / "notes.txt").write_text("the user's")  # not in the manifest: kept
     (tmp_path / ".step=12.ckpt.partial").mkdir()
-    FaultTolerantCheckpoint(str(tmp_path), keep_last=2)._prune(tmp_path)
+    callback = FaultTolerantCheckpoint(str(tmp_path), keep_last=2)
+    callback.lineage = "this run"
+    with pytest.warns(UserWarning, match=r"step=3.ckpt: kept 1 file\(s\) this library did not write: \['notes.txt'\]"):
+        callback._prune(tmp_path)
     left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == sorted([".epoch=0-step=10.ckpt.partial", "best.ckpt", "epoch=0-step=10.ckpt", "step=6.ckpt",
-                           "step=9.ckpt", "user.partial"])
+    assert left == sorted([".epoch=0-step=10.ckpt.partial", ".step=12.ckpt.partial", "best.ckpt", "epoch=0-step=10.ckpt",
+                           "step=1.ckpt", "step=3.ckpt", "step=6.ckpt", "step=9.ckpt", "user.partial"])
+    assert [p.name for p in (tmp_path / "step=3.ckpt").iterdir()] == ["notes.txt"]
 
 
 class _Payload:
@@ -172,7 +181,11 @@ def test_scanning_and_loading_never_run_code_from_a_checkpoint(tmp_path: Path) -
     marker = tmp_path / "ran"
     os.environ["LLMPAR_MARKER"] = str(marker)
     torch.save({"evil": _Payload()}, planted / "meta.pt")
-    assert newest_complete_checkpoint(tmp_path) == planted  # intact as far as files go: scanned, not unpickled
+    with pytest.warns(UserWarning, match=r"Skipping checkpoint .*step=999.ckpt: file meta.pt has"):
+        assert newest_complete_checkpoint(tmp_path) == tmp_path / "step=2.ckpt"  # the manifest tells it apart
+    (planted / "llmpar-manifest.json").unlink()  # and without one, the safe readers do
+    with pytest.warns(UserWarning, match=r"Skipping checkpoint .*step=999.ckpt: not a checkpoint"):
+        assert newest_complete_checkpoint(tmp_path) == tmp_path / "step=2.ckpt"
     assert not marker.exists()
     with pytest.raises(ValueError, match=r"holds objects torch's safe loader does not allow.*weights_only=False"):
         read_meta(planted)

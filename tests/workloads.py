@@ -193,6 +193,15 @@ def fit(
             "kernels": kernels(trainer)}
 
 
+def fit_error(*args: Any, **kwargs: Any) -> str | None:
+    """:func:`fit`'s error message, or None if it ran."""
+    try:
+        fit(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def kernels(trainer: Trainer) -> set[str]:
     """Which optimizer kernels the parameter groups run ('fused', 'fused per tensor kind', 'loop', ...)."""
     from lightning_llmpar.training.optimizer import group_kernels

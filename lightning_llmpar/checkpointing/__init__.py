@@ -5,4 +5,4 @@ from lightning_llmpar.checkpointing.dcp import export_consolidated
 from lightning_llmpar.checkpointing.hf_checkpoint import HFCheckpointExport, load_hf_checkpoint, save_hf_checkpoint
 from lightning_llmpar.checkpointing.litgpt_checkpoint import load_litgpt_checkpoint
 
-__all__ = ["export_consolidated", "HFCheckpointExport", "load_hf_checkpoint", "save_hf_checkpoint", "load_litgpt_checkpoint"]
+__all__ = ["HFCheckpointExport", "export_consolidated", "load_hf_checkpoint", "load_litgpt_checkpoint", "save_hf_checkpoint"]

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from lightning_llmpar.checkpointing.dcp import META_FILE, commit_staging, prepare_staging
+from lightning_llmpar.checkpointing.dcp import META_FILE, commit_staging, prepare_staging, replace_problem
 
 __all__ = ["AsyncCheckpointer", "AsyncSaveHooks", "CheckpointWriteError"]
 
@@ -90,6 +90,7 @@ class AsyncCheckpointer:
         *,
         is_rank_zero: bool,
         barrier: Callable[[], None],
+        lineage: str | None = None,
     ) -> None:
         """Start saving to ``path``: ``state(staging)`` writes this rank's small side files into the staging folder
         and returns the DCP state dict to write in the background; ``meta`` goes into ``meta.pt`` at commit."""
@@ -109,7 +110,7 @@ class AsyncCheckpointer:
             tensors, checkpoint_id=staging, process_group=self._write_group, async_stager=self._stager
         )
         assert isinstance(upload, Future)
-        done = self._finisher.submit(_finish, upload, staging, path, meta_bytes if is_rank_zero else None)
+        done = self._finisher.submit(_finish, upload, staging, path, meta_bytes if is_rank_zero else None, lineage)
         self._pending = _Save(path, staging, done)
 
     def _agree(self, flags: list[int]) -> list[int]:
@@ -177,13 +178,13 @@ def _exception(future: Future[None]) -> BaseException | None:
         return err
 
 
-def _finish(upload: Future[Any], staging: Path, path: Path, meta_bytes: bytes | None) -> None:
+def _finish(upload: Future[Any], staging: Path, path: Path, meta_bytes: bytes | None, lineage: str | None) -> None:
     # upload.result() returns once DCP's finish step ran: on rank 0 that gathered every rank's write results and
     # wrote .metadata, so every rank's shards are on disk; only then is the checkpoint given its name.
     upload.result()
     if meta_bytes is not None:
         (staging / META_FILE).write_bytes(meta_bytes)
-        commit_staging(staging, path)
+        commit_staging(staging, path, kind="dcp", lineage=lineage)
 
 
 class AsyncSaveHooks:
@@ -203,11 +204,18 @@ class AsyncSaveHooks:
         """The staging folder of a background save still being written (``async_checkpoint=True``), else None."""
         return self._async_saves.in_flight if self._async_saves is not None else None
 
-    def _save_in_background(self, path: Path, state: Callable[[Path], dict[str, Any]], meta: dict[str, Any]) -> bool:
+    def _save_in_background(
+        self, path: Path, state: Callable[[Path], dict[str, Any]], meta: dict[str, Any], lineage: str | None = None
+    ) -> bool:
         if self._async_saves is None or not self._async_live:
             return False
         strategy: Any = self
-        self._async_saves.save(path, state, meta, is_rank_zero=strategy.is_global_zero, barrier=strategy.barrier)
+        problem = replace_problem(path) if strategy.is_global_zero else None
+        problem = strategy.broadcast(problem)
+        if problem is not None:  # refused on every rank, as a synchronous save is
+            raise ValueError(problem)
+        self._async_saves.save(path, state, meta, is_rank_zero=strategy.is_global_zero, barrier=strategy.barrier,
+                               lineage=lineage)
         return True
 
     def _wait_for_saves(self) -> None:

@@ -8,9 +8,7 @@ every rank has finished, so a crash never leaves a half-written checkpoint under
 
 from __future__ import annotations
 
-import pathlib
-import pickle
-import shutil
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -30,16 +27,42 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_llmpar.checkpointing.manifest import (
+    foreign_files,
+    read_manifest,
+    remove_tree,
+    verify_manifest,
+    write_manifest,
+    write_sidecar,
+)
+from lightning_llmpar.checkpointing.safe_read import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    read_dcp_metadata,
+    safe_torch_load,
+)
+from lightning_llmpar.checkpointing.scan import META_FILE, checkpoint_problem, legacy_note
 from lightning_llmpar.modeling.packing import Packing, canonical_view, unwrap
 
-__all__ = ["save_checkpoint", "write_atomically", "prepare_staging", "commit_staging", "write_distributed", "load_checkpoint", "is_checkpoint", "export_consolidated", "META_FILE"]
-
-META_FILE = "meta.pt"  # everything Lightning keeps besides tensors: loops, callbacks, schedulers, hparams
+__all__ = [
+    "META_FILE",
+    "commit_staging",
+    "export_consolidated",
+    "is_checkpoint",
+    "load_checkpoint",
+    "prepare_staging",
+    "recover",
+    "replace_problem",
+    "save_checkpoint",
+    "write_atomically",
+    "write_distributed",
+]
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def is_checkpoint(path: str | Path) -> bool:
-    path = Path(path)
+    path = Path(path).expanduser()
     return path.is_dir() and (path / META_FILE).is_file() and (path / ".metadata").is_file()
 
 
@@ -107,40 +130,126 @@ def _restore_copies(optim: dict[str, Any], aliases: Mapping[str, str], local: se
     return out
 
 
+def _staging(path: Path) -> Path:
+    return path.with_name(f".{path.name}.partial")
+
+
+def _old(path: Path) -> Path:
+    return path.with_name(f".{path.name}.old")
+
+
+def _fsync_dir(folder: Path) -> None:
+    # A rename is durable once its directory is: without this a power cut can undo a completed commit.
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _complete(folder: Path) -> bool:
+    manifest = read_manifest(folder) if folder.is_dir() else None
+    return manifest is not None and verify_manifest(folder, manifest) is None
+
+
+def recover(path: str | Path) -> None:
+    """Finish a save interrupted between its two renames: ``path`` is missing but its staging (new) or old (previous)
+    copy is complete. Several ranks may call it at once: a rename is atomic, and the one that loses finds it done."""
+    path = Path(path).expanduser()
+    if path.exists():
+        return
+    for copy in (_staging(path), _old(path)):
+        if _complete(copy):
+            try:
+                os.rename(copy, path)
+                _fsync_dir(path.parent)
+            except OSError:
+                pass  # another rank recovered it first
+            return
+
+
 def prepare_staging(path: Path) -> Path:
-    """Rank 0, before any rank writes: the hidden ``.<name>.partial`` folder a save of ``path`` is written into,
-    with whatever an earlier interrupted save left there removed."""
-    staging = path.with_name(f".{path.name}.partial")
-    if staging.exists():
-        shutil.rmtree(staging)
+    """Rank 0, before a save to ``path``: recover ``path`` from an interrupted commit, remove stale ``.NAME.partial``
+    and ``.NAME.old`` folders (names reserved for this library's saves), return the empty staging folder's path."""
+    path = Path(path).expanduser()
+    recover(path)
+    staging, old = _staging(path), _old(path)
+    for stale in (staging, old):
+        if stale.exists():
+            remove_tree(stale)
+    path.parent.mkdir(parents=True, exist_ok=True)
     return staging
 
 
-def commit_staging(staging: Path, path: Path) -> None:
-    """Rank 0, once every rank has written into ``staging``: rename it into place as ``path``."""
-    old = path.with_name(f".{path.name}.old")
-    if path.exists():
-        path.rename(old) if path.is_dir() else path.unlink()
-    staging.rename(path)
+def commit_staging(staging: Path, path: Path, *, kind: str = "dcp", lineage: str | None = None) -> None:
+    """Rank 0, once every rank's files are in ``staging``: record them in its manifest, then swap it into place.
+
+    At every instant ``path`` or a complete copy recoverable by :func:`recover` exists: the previous checkpoint
+    moves to ``.NAME.old`` only after the staging folder is complete, and is removed only after the new one is in
+    place. ``path`` is replaced only if it is this library's (see :func:`replace_problem`).
+    """
+    path = Path(path).expanduser()
+    write_manifest(staging, kind, lineage)
+    _fsync_dir(staging)
+    old = _old(path)
+    if path.is_dir():
+        os.rename(path, old)
+    elif path.exists():
+        path.unlink()
+    os.rename(staging, path)
+    _fsync_dir(path.parent)
     if old.exists():
-        shutil.rmtree(old)
+        remove_tree(old)
+
+
+def verdict(path: Path) -> tuple[str | None, str | None]:
+    """(why ``path`` cannot be loaded or None, a warning for a checkpoint without manifest or None), after
+    finishing an interrupted commit of it."""
+    recover(path)
+    return checkpoint_problem(path), legacy_note(path)
+
+
+def replace_problem(path: Path) -> str | None:
+    """Why a save must not replace ``path`` (it holds files this library did not write), or None."""
+    foreign = foreign_files(Path(path).expanduser())
+    if not foreign:
+        return None
+    return (
+        f"{path} holds files this library did not write ({', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''});"
+        " saving a checkpoint there would delete them. Save to a new path, or move those files away."
+    )
 
 
 def write_atomically(
-    path: str | Path, write: Callable[[Path], None], *, is_rank_zero: bool, barrier: Callable[[], None]
+    path: str | Path,
+    write: Callable[[Path], None],
+    *,
+    is_rank_zero: bool,
+    barrier: Callable[[], None],
+    broadcast: Callable[[Any], Any] | None = None,
+    kind: str = "dcp",
+    lineage: str | None = None,
 ) -> Path:
     """Run ``write(staging_folder)`` on every rank; the result appears under ``path`` only once complete.
 
-    Shared by every checkpoint format (DCP here, DeepSpeed's engine in its backend): a crash leaves at
-    most a hidden ``.<name>.partial`` folder, never a half-written checkpoint under the final name.
+    Shared by every checkpoint format (DCP here, DeepSpeed's engine in its backend): a crash at any instant leaves
+    the previous checkpoint or the new one, complete, under ``path`` or recoverable into it. A ``path`` holding
+    files this library did not write is refused on every rank (``broadcast`` carries rank 0's verdict).
     """
-    path = Path(path)
-    staging = prepare_staging(path) if is_rank_zero else path.with_name(f".{path.name}.partial")
+    path = Path(path).expanduser()
+    problem = replace_problem(path) if is_rank_zero else None
+    if broadcast is not None:
+        problem = broadcast(problem)
+    if problem is not None:
+        raise ValueError(problem)
+    if is_rank_zero:
+        prepare_staging(path)
     barrier()
+    staging = _staging(path)
     write(staging)
     barrier()
     if is_rank_zero:
-        commit_staging(staging, path)
+        commit_staging(staging, path, kind=kind, lineage=lineage)
     barrier()
     return path
 
@@ -179,21 +288,18 @@ def write_distributed(
         torch.save(meta, folder / META_FILE)
 
 
-# Besides what torch's safe loader allows: paths, which hyperparameters often hold (they cannot run code).
-_SAFE_GLOBALS = [pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath]
-
-
 def read_meta(path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
     """Everything but the tensors. Unpickled with torch's safe loader unless ``weights_only=False`` is passed."""
     file = Path(path) / META_FILE
+    if weights_only is False:
+        return torch.load(file, map_location="cpu", weights_only=False)
     try:
-        with torch.serialization.safe_globals(_SAFE_GLOBALS):
-            return torch.load(file, map_location="cpu", weights_only=True if weights_only is None else weights_only)
-    except pickle.UnpicklingError as err:
-        raise ValueError(
-            f"{file} holds objects torch's safe loader does not allow ({str(err).splitlines()[0]}). If you trust this"
-            " checkpoint, load it with weights_only=False (e.g. trainer.fit(model, ckpt_path=..., weights_only=False))."
-        ) from err
+        return safe_torch_load(file, map_location="cpu")
+    except UnsafeCheckpointError as err:
+        raise UnsafeCheckpointError(
+            f"{err} If you trust this checkpoint, load it with weights_only=False"
+            " (LLMParallelStrategy(checkpoint_weights_only=False), or strategy.load_checkpoint(path, weights_only=False))."
+        ) from None
 
 
 def load_checkpoint(
@@ -205,23 +311,31 @@ def load_checkpoint(
     *,
     weights_only: bool | None = None,
     strict: bool = True,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Load shards into ``model``/``optimizers`` in whatever layout they are now; return the meta dict.
 
     ``strict=False`` (a LightningModule's ``strict_loading``) loads what the checkpoint and the model share.
     Optimizer state is loaded only if the checkpoint has it (not one saved with ``save_weights_only``).
+    ``verify`` checks the folder first (:func:`checkpoint_problem`); the strategy does that once on rank 0.
     """
-    path = Path(path)
+    path = Path(path).expanduser()
+    if verify:
+        recover(path)
     if not is_checkpoint(path):
         raise FileNotFoundError(
             f"{path} is not a complete llmpar checkpoint (a folder with '.metadata' and '{META_FILE}')."
         )
+    problem = checkpoint_problem(path) if verify else None
+    if problem is not None:
+        raise ValueError(f"Checkpoint {path} cannot be loaded: {problem}.")
     meta = read_meta(path, weights_only)
     if not meta.get("llmpar_optimizer_state", True):
         optimizers = []
     aliases = aliases or {}
     state = _tensor_state(model, optimizers, aliases, packings or {})
-    dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path),
+             planner=SafeLoadPlanner(allow_partial_load=not strict))
     set_model_state_dict(model, _unwrap(state["model"]), options=StateDictOptions(strict=strict))
     local = {name for name, _ in model.named_parameters()}
     for i, opt in enumerate(optimizers):
@@ -230,23 +344,46 @@ def load_checkpoint(
     return meta
 
 
-def export_consolidated(path: str | Path, output: str | Path) -> Path:
-    """Gather the model weights of a checkpoint (DCP, or DeepSpeed's) into one ``torch.save`` file."""
-    path, output = Path(path), Path(output)
+def export_consolidated(path: str | Path, output: str | Path, *, weights_only: bool | None = None) -> Path:
+    """Gather the model weights of a checkpoint (DCP, or DeepSpeed's) into one ``torch.save`` file.
+
+    The checkpoint is verified and read without unpickling anything but plain data; a DeepSpeed checkpoint (whose
+    files only DeepSpeed's unpickling reads) needs ``weights_only=False``. ``output`` is replaced only if this
+    function wrote it (a ``<output>.llmpar-manifest.json`` beside it records that).
+    """
+    path, output = Path(path).expanduser(), Path(output).expanduser()
+    recover(path)
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ValueError(f"Checkpoint {path} cannot be exported: {problem}.")
+    foreign = foreign_files(output)
+    if foreign:
+        raise ValueError(f"export_consolidated: {output} exists and was not written by it; choose another output path"
+                         " or move that file away.")
     if (path / "ckpt").is_dir() and not (path / ".metadata").is_file():
+        if weights_only is not False:
+            raise ValueError(_DEEPSPEED_TRUST.format(path=path, call="export_consolidated(path, output, weights_only=False)"))
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         weights = dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag="ckpt"))
     else:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = read_dcp_metadata(path)
         state: dict[str, Any] = {"model": {}}
         for key, meta in metadata.state_dict_metadata.items():
             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
                 state["model"][key[len("model.") :]] = torch.empty(meta.size, dtype=meta.properties.dtype)
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+        dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                 no_dist=True)
         weights = state["model"]
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + ".partial")
+    tmp = output.with_name(f".{output.name}.partial")
     torch.save(weights, tmp)
+    write_sidecar(tmp, output, "consolidated")
     tmp.replace(output)
     return output
+
+
+_DEEPSPEED_TRUST = (
+    "{path} is a DeepSpeed checkpoint: DeepSpeed reads it by unpickling (torch.load(weights_only=False)), which runs"
+    " any code its files hold. Load it only if you trust it, by passing weights_only=False: {call}."
+)

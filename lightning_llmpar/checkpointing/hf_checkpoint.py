@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_llmpar.checkpointing.conversions import Source, conversions, read, source_shape
+from lightning_llmpar.checkpointing.dcp import prepare_staging
+from lightning_llmpar.checkpointing.manifest import read_manifest, verify_manifest
+from lightning_llmpar.checkpointing.publish import publish
 from lightning_llmpar.modeling.materialize import pretrained_models
 from lightning_llmpar.modeling.packing import Packing, canonical_regions, local_region, to_canonical
 
@@ -59,21 +61,38 @@ def _single_model(module: nn.Module) -> tuple[str, nn.Module]:
 
 
 class _Files:
-    """Key -> file of a safetensors checkpoint (sharded with an index, or not), opened lazily."""
+    """Key -> file of a safetensors checkpoint (sharded with an index, or not), opened lazily.
+
+    Never raises: what is wrong (an index naming a file outside the folder, a missing, truncated or unreadable
+    shard) goes to ``problems``, which every rank agrees on before any of them raises (see fill_from_files).
+    """
 
     def __init__(self, path: Path) -> None:
         from safetensors import safe_open
 
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            self.where = {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-        else:
-            self.where = {}
-            for file in sorted(path.glob("*.safetensors")):
-                with safe_open(str(file), "pt") as handle:
-                    self.where.update({k: file for k in handle.keys()})
+        self.problems: list[str] = []
+        self.where: dict[str, Path] = {}
         self._open: dict[Path, Any] = {}
         self._safe_open = safe_open
+        index = path / "model.safetensors.index.json"
+        try:
+            if index.is_file():
+                for key, name in json.loads(index.read_text())["weight_map"].items():
+                    if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+                        self.problems.append(f"{index.name} names {name!r} for '{key}', a file outside {path}")
+                    else:
+                        self.where[key] = path / name
+            else:
+                for file in sorted(path.glob("*.safetensors")):
+                    self.where.update({k: file for k in self._handle_of(file).keys()})  # noqa: SIM118
+        except Exception as err:  # noqa: BLE001 - unreadable index or shard, reported on every rank
+            self.problems.append(f"cannot read {index.name if index.is_file() else 'a shard'}: {type(err).__name__}: {err}")
+        for file in sorted(set(self.where.values())):
+            try:
+                self._handle_of(file)
+            except Exception as err:  # noqa: BLE001 - missing, truncated or not safetensors
+                self.problems.append(f"shard {file.name} is missing, truncated or unreadable ({type(err).__name__}: {err})")
+                self.where = {k: f for k, f in self.where.items() if f != file}
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._handle(key).get_slice(key).get_shape())
@@ -82,8 +101,10 @@ class _Files:
         return self._handle(key).get_slice(key)[region]
 
     def _handle(self, key: str) -> Any:
-        file = self.where[key]
-        if file not in self._open:
+        return self._handle_of(self.where[key])
+
+    def _handle_of(self, file: Path) -> Any:
+        if file not in self._open:  # safe_open checks the header against the file's length (truncation)
             self._open[file] = self._safe_open(str(file), "pt")
         return self._open[file]
 
@@ -126,9 +147,14 @@ def load_hf_checkpoint(
     Every rank checks every tensor it needs first; problems found anywhere are raised on every rank, so no
     rank is left waiting in a collective.
     """
-    path = check_hf_directory(directory)
     prefix, model = _single_model(module)
-    problems = _config_problems(model, path)
+    # Nothing here may raise on one rank only: the others would wait in the agreement's collective.
+    path = Path(directory).expanduser()
+    try:
+        check_hf_directory(directory)
+        problems = _config_problems(model, path) + _manifest_problems(path)
+    except ValueError as err:
+        problems = [str(err)]
     files = _Files(path)
     converted, skipped = conversions(model, files) if not problems else ({}, [])
     ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
@@ -162,7 +188,8 @@ def fill_from_files(
     plan: list[tuple[Tensor, Source, Packing | None]] = []
     needed: set[str] = set()
     params = dict(module.named_parameters(remove_duplicate=False))
-    for name, key in _hf_names(module, prefix, aliases).items():
+    problems += getattr(files, "problems", [])
+    for name, key in _hf_names(module, prefix, aliases).items() if not getattr(files, "problems", []) else ():
         tensor = params[name] if name in params else module.get_buffer(name)
         file_key = key if key in files.where else tied.get(key, key)
         source = Source(key=file_key) if file_key in files.where else converted.get(key)
@@ -171,7 +198,11 @@ def fill_from_files(
                 continue  # a buffer the checkpoint does not store keeps its initialized value
             problems.append(f"tensor '{key}' (parameter '{name}', shape {tuple(tensor.shape)}) is missing")
             continue
-        shape = source_shape(files, source)
+        try:
+            shape = source_shape(files, source)
+        except Exception as err:  # noqa: BLE001 - an unreadable tensor, agreed on below like any other problem
+            problems.append(f"tensor '{key}' cannot be read ({type(err).__name__}: {err})")
+            continue
         if shape != tuple(tensor.shape):
             problems.append(f"tensor '{key}' has shape {shape} in the checkpoint but {tuple(tensor.shape)} in the model")
             continue
@@ -186,8 +217,19 @@ def fill_from_files(
             view.copy_(read(files, source, canon, size))
 
 
+def _manifest_problems(path: Path) -> list[str]:
+    """A folder written by save_hf_checkpoint must still hold its files at their sizes (checksums: too costly on
+    every rank; a corrupted safetensors header is caught when opened)."""
+    manifest = read_manifest(path)
+    problem = verify_manifest(path, manifest, checksums=False) if manifest is not None else None
+    return [problem] if problem else []
+
+
 def _config_problems(model: nn.Module, path: Path) -> list[str]:
-    theirs = json.loads((path / "config.json").read_text())
+    try:
+        theirs = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        return [f"config.json cannot be read ({type(err).__name__}: {err})"]
     ours = model.config.to_dict() if hasattr(model.config, "to_dict") else {}
     return [f"config.json has {f}={theirs[f]!r} but the model has {ours[f]!r}" for f in _CONFIG_FIELDS
             if f in theirs and f in ours and theirs[f] != ours[f]]
@@ -251,11 +293,12 @@ def save_hf_checkpoint(trainer: Any, directory: str | Path, dtype: torch.dtype |
     """Write the trained transformers model as a directory ``from_pretrained`` loads; call it on every rank.
 
     The weights are gathered to global rank 0 (host memory for one full copy), which writes them with the
-    model's own ``save_pretrained`` into a staging folder renamed into place when complete.
+    model's own ``save_pretrained`` into a staging folder put in place when complete: swapped in whole, or,
+    into a folder holding other files (a tokenizer, a README), written beside them (see checkpointing.publish).
     """
     strategy = trainer.strategy
     module = trainer.lightning_module
-    path = Path(directory)
+    path = Path(directory).expanduser()
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     prefix, model = _single_model(module)
@@ -267,14 +310,17 @@ def save_hf_checkpoint(trainer: Any, directory: str | Path, dtype: torch.dtype |
         for target, source in _tied_targets(model).items():
             if target in state and source in state and torch.equal(state[target], state[source]):
                 del state[target]  # transformers ties it again on load
-        staging = path.with_name(f".{path.name}.partial")
-        shutil.rmtree(staging, ignore_errors=True)
+        staging = prepare_staging(path)
         model.save_pretrained(str(staging), state_dict=state, safe_serialization=True, is_main_process=True)
-        if path.exists():
-            shutil.rmtree(path)
-        staging.rename(path)
+        refused = publish(staging, path, "hf")
+    else:
+        refused = None
     if distributed:
-        dist.barrier()
+        shared = [refused]
+        dist.broadcast_object_list(shared, src=0)  # every rank raises alike
+        refused = shared[0]
+    if refused is not None:
+        raise ValueError(f"save_hf_checkpoint: {refused}")
     return path
 
 
@@ -298,7 +344,8 @@ def _gather_stages(strategy: Any, state: dict[str, Tensor]) -> dict[str, Tensor]
 
 class HFCheckpointExport(Callback):
     """Export the transformers model inside the LightningModule with :func:`save_hf_checkpoint` at the end of
-    training (and every ``every_n_train_steps`` steps into ``<dirpath>/step=<n>``), from Python or YAML."""
+    training into ``<dirpath>/final`` (and every ``every_n_train_steps`` steps into ``<dirpath>/step=<n>``), from
+    Python or YAML."""
 
     def __init__(self, dirpath: str, every_n_train_steps: int | None = None, dtype: str | None = None) -> None:
         if every_n_train_steps is not None and every_n_train_steps < 1:
@@ -311,7 +358,8 @@ class HFCheckpointExport(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         if self.every and step % self.every == 0 and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-            self.last = save_hf_checkpoint(trainer, Path(self.dirpath) / f"step={step}", self.dtype)
+            self.last = save_hf_checkpoint(trainer, Path(self.dirpath).expanduser() / f"step={step}", self.dtype)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self.last = save_hf_checkpoint(trainer, self.dirpath, self.dtype)
+        # Beside the step exports, not over them.
+        self.last = save_hf_checkpoint(trainer, Path(self.dirpath).expanduser() / "final", self.dtype)

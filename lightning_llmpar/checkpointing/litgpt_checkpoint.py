@@ -1,7 +1,7 @@
 """LitGPT checkpoints in at any layout: a directory with ``lit_model.pth`` (LitGPT's state dict) and
 ``model_config.yaml``, loaded into the LitGPT ``GPT`` inside the LightningModule after parallelization.
 
-The state dict is opened memory-mapped (``torch.load(mmap=True, weights_only=True)``), so each rank reads only
+The state dict is opened memory-mapped (``torch.load(mmap=True, weights_only=True)``; nothing else is unpickled), so each rank reads only
 the slices it holds, exactly as ``hf_checkpoint`` does for safetensors.
 """
 
@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_llmpar.checkpointing.hf_checkpoint import fill_from_files
+from lightning_llmpar.checkpointing.safe_read import safe_torch_load
 from lightning_llmpar.modeling.packing import Packing
 
 __all__ = ["check_litgpt_directory", "load_litgpt_checkpoint"]
@@ -36,8 +37,17 @@ class _TorchFile:
     """A state dict file opened memory-mapped: only the regions read come into memory."""
 
     def __init__(self, file: Path) -> None:
-        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-        self.tensors: dict[str, Tensor] = state.get("model", state) if isinstance(state, dict) else state
+        # Never raises: a missing, truncated or unsafe file is a problem every rank agrees on (see fill_from_files).
+        self.problems: list[str] = []
+        self.tensors: dict[str, Tensor] = {}
+        try:
+            state = safe_torch_load(file, map_location="cpu", mmap=True)
+            tensors = state.get("model", state) if isinstance(state, dict) else state
+            if not isinstance(tensors, dict) or not all(isinstance(t, Tensor) for t in tensors.values()):
+                raise ValueError("it is not a state dict of tensors")
+            self.tensors = tensors
+        except Exception as err:  # noqa: BLE001 - reported on every rank alike
+            self.problems.append(f"{file.name} is missing, truncated or unreadable ({type(err).__name__}: {err})")
         self.where = {k: file for k in self.tensors}
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -63,12 +73,17 @@ def load_litgpt_checkpoint(
     """Fill the LitGPT model inside ``module`` (already parallelized) from ``directory``; collective."""
     import yaml
 
-    path = check_litgpt_directory(directory)
     prefix, model = _litgpt_model(module)
-    theirs: dict[str, Any] = yaml.safe_load((path / "model_config.yaml").read_text()) or {}
-    ours = vars(model.config)
-    problems = [f"model_config.yaml has {f}={theirs[f]!r} but the model has {ours[f]!r}" for f in _CONFIG_FIELDS
-                if f in theirs and f in ours and theirs[f] != ours[f]]
+    path = Path(directory).expanduser()
+    # Nothing here may raise on one rank only: the others would wait in the agreement's collective.
+    try:
+        check_litgpt_directory(directory)
+        theirs: dict[str, Any] = yaml.safe_load((path / "model_config.yaml").read_text()) or {}
+        ours = vars(model.config)
+        problems = [f"model_config.yaml has {f}={theirs[f]!r} but the model has {ours[f]!r}" for f in _CONFIG_FIELDS
+                    if f in theirs and f in ours and theirs[f] != ours[f]]
+    except Exception as err:  # noqa: BLE001 - agreed on below
+        problems = [str(err) if isinstance(err, ValueError) else f"model_config.yaml: {type(err).__name__}: {err}"]
     # LitGPT's rotary caches are buffers computed from the config, not stored.
     fill_from_files(module, prefix, _TorchFile(path / "lit_model.pth"), problems, {}, {}, packings or {}, aliases or {},
                     [], f"litgpt_checkpoint={str(directory)!r} does not fit {type(model).__name__}")

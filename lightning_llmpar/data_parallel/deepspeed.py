@@ -162,11 +162,20 @@ class DeepSpeedBackend(ShardingBackend):
         self.engine.step()
         return result
 
+    checkpoint_kind = "deepspeed"
+
     def write_checkpoint(self, folder: Path, meta: dict[str, Any]) -> None:
         meta = {**meta, "llmpar_backend": "deepspeed"}
         self.engine.save_checkpoint(str(folder), tag=DS_TAG, client_state=meta, save_latest=False)
 
     def load_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        if weights_only is not False:
+            raise ValueError(
+                f"{path} is a DeepSpeed checkpoint: DeepSpeed reads it by unpickling (torch.load(weights_only=False)),"
+                " which runs any code its files hold. Resume it only if you trust it, with"
+                " LLMParallelStrategy(..., checkpoint_weights_only=False) (or strategy.load_checkpoint(path,"
+                " weights_only=False)); Lightning 2.6 does not pass trainer.fit(weights_only=...) to this strategy."
+            )
         if not (path / DS_TAG).is_dir():
             raise FileNotFoundError(f"{path} is not a DeepSpeed checkpoint written by sharding_backend='deepspeed'.")
         fitting = self.strategy.lightning_module.trainer.state.fn == TrainerFn.FITTING

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-import zipfile
+import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -25,47 +25,18 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor import DTensor, Replicate
 
-from lightning_llmpar.checkpointing.dcp import META_FILE
+from lightning_llmpar.checkpointing.dcp import recover
+from lightning_llmpar.checkpointing.manifest import LINEAGE_KEY, read_manifest, remove_owned
+from lightning_llmpar.checkpointing.scan import checkpoint_problem, legacy_note
 from lightning_llmpar.fault_tolerance.sampler import ResumableDistributedSampler
 from lightning_llmpar.training.batches import batch_size
 
 __all__ = ["FaultTolerantCheckpoint", "StepGuard", "checkpoint_problem", "newest_complete_checkpoint"]
 
 _STEP = re.compile(r"step[=_-]?(\d+)")
-# What FaultTolerantCheckpoint writes (``step=N.ckpt``) and the staging/old folders of its atomic writes:
-# pruning never touches anything else in the folder (best.ckpt, other callbacks' files, a user's folders).
+# What FaultTolerantCheckpoint writes (``step=N.ckpt``) and the staging/old folders of its atomic writes.
 _OWN = re.compile(r"^step=\d+\.ckpt$")
-_OWN_STAGING = re.compile(r"^\.step=\d+\.ckpt\.(partial|old)$")
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be resumed from, or None if it is complete and intact."""
-    if not path.is_dir():
-        return "not a folder"
-    if (path / "ckpt").is_dir():  # DeepSpeed backend
-        return None if any((path / "ckpt").iterdir()) else "empty DeepSpeed checkpoint"
-    if not (path / ".metadata").is_file() or not (path / META_FILE).is_file():
-        return "missing .metadata or meta.pt (written only when every rank finished)"
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-        needed: dict[str, int] = {}
-        for item in (metadata.storage_data or {}).values():
-            needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
-        for name, size in needed.items():
-            file = path / name
-            if not file.is_file() or file.stat().st_size < size:
-                return f"shard {name} missing or truncated"
-        # Integrity without unpickling: a folder dropped into the checkpoint directory must never run code
-        # just by being scanned. torch.save writes a zip archive; its CRCs show truncation or corruption.
-        with zipfile.ZipFile(path / META_FILE) as archive:
-            bad = archive.testzip()
-        if bad is not None:
-            return f"{META_FILE} is corrupt ({bad})"
-    except Exception as err:  # noqa: BLE001 - any unreadable part makes the checkpoint unusable
-        return f"unreadable ({type(err).__name__}: {err})"
-    return None
+_OWN_STAGING = re.compile(r"^\.(step=\d+\.ckpt)\.(partial|old)$")
 
 
 def _step_of(path: Path) -> int:
@@ -74,21 +45,41 @@ def _step_of(path: Path) -> int:
 
 
 def newest_complete_checkpoint(folder: Path) -> Path | None:
-    """The highest-step checkpoint in ``folder`` that passes :func:`checkpoint_problem`; warns about others."""
+    """The highest-step checkpoint in ``folder`` that passes :func:`checkpoint_problem`; warns about the others.
+
+    A save interrupted between its two renames is finished first (its complete copy put back under its name).
+    """
+    folder = Path(folder).expanduser()
     if not folder.is_dir():
         return None
+    for leftover in [p for p in folder.iterdir() if _OWN_STAGING.match(p.name)]:
+        recover(folder / _OWN_STAGING.match(leftover.name).group(1))  # type: ignore[union-attr]
+    skipped = []
     for path in sorted((p for p in folder.iterdir() if p.name.endswith(".ckpt")), key=_step_of, reverse=True):
         problem = checkpoint_problem(path)
         if problem is None:
+            if skipped:
+                rank_zero_warn(f"Resuming from {path}, the newest complete checkpoint: newer ones were skipped ({', '.join(skipped)}).")
+            note = legacy_note(path)
+            if note is not None:
+                rank_zero_warn(note)
             return path
+        skipped.append(path.name)
         rank_zero_warn(f"Skipping checkpoint {path}: {problem}.")
     return None
+
+
+def _lineage_of(path: Path) -> str | None:
+    manifest = read_manifest(path)
+    return manifest.get("lineage") if manifest is not None else None
 
 
 class FaultTolerantCheckpoint(ModelCheckpoint):
     """Checkpoint every ``every_n_train_steps`` steps into ``dirpath``, keep the last ``keep_last``.
 
-    Resume with ``trainer.fit(..., ckpt_path="last")``: the newest intact checkpoint is used.
+    Resume with ``trainer.fit(..., ckpt_path="last")``: the newest intact checkpoint is used. Its checkpoints carry
+    the run's lineage (kept across resumes); pruning removes only checkpoints of that lineage, and a fresh run into
+    a folder holding other checkpoints is refused before its first step.
     """
 
     def __init__(self, dirpath: str, every_n_train_steps: int = 50, keep_last: int = 3) -> None:
@@ -102,7 +93,11 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
             enable_version_counter=False,
         )
         self.keep_last = keep_last
+        self.lineage: str | None = None  # this run's id, restored on resume (see load_state_dict)
         self._position: dict[str, int] | None = None
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint[LINEAGE_KEY] = self.lineage  # the strategy records it in the checkpoint's manifest
 
     def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)
@@ -110,15 +105,28 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
             self._prune(Path(filepath).parent, getattr(trainer.strategy, "checkpoint_in_flight", None))
 
     def _prune(self, folder: Path, in_flight: Path | None = None) -> None:
-        # By step on disk, not by ModelCheckpoint's in-memory ranking, which a restart does not fully restore.
-        # Runs after the save's final barrier, so no other rank is writing; half-written staging folders
-        # left by a crash go too, but not the staging folder of a background save still being written (``in_flight``).
-        import shutil
+        # By step on disk, not by ModelCheckpoint's in-memory ranking, which a restart does not fully restore;
+        # only this run's lineage, only the files its manifests name. Runs after the save's final barrier; a
+        # background save still being written (``in_flight``) is a staging folder, never counted or touched.
+        saved = sorted((p for p in folder.iterdir() if _OWN.match(p.name) and _lineage_of(p) == self.lineage),
+                       key=_step_of, reverse=True)
+        for stale in saved[self.keep_last :]:
+            remove_owned(stale)
 
-        saved = sorted((p for p in folder.iterdir() if _OWN.match(p.name)), key=_step_of, reverse=True)
-        staging = [p for p in folder.iterdir() if _OWN_STAGING.match(p.name) and p != in_flight]
-        for stale in saved[self.keep_last :] + staging:
-            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+    def _refuse_foreign(self, trainer: Trainer) -> None:
+        """A fresh run into a folder holding another run's checkpoints would leave them behind and prune its own."""
+        folder = Path(self.dirpath or "")
+        foreign: list[str] = []
+        if trainer.is_global_zero and trainer.ckpt_path is None and folder.is_dir():
+            foreign = sorted((p.name for p in folder.iterdir() if _OWN.match(p.name) and _lineage_of(p) != self.lineage),
+                             key=lambda n: _step_of(Path(n)))
+        foreign = trainer.strategy.broadcast(foreign)
+        if foreign:
+            raise ValueError(
+                f"FaultTolerantCheckpoint(dirpath={str(folder)!r}) holds checkpoints of another run ({', '.join(foreign[:6])}"
+                f"{' ...' if len(foreign) > 6 else ''}) and this run starts fresh. Resume them with"
+                " trainer.fit(..., ckpt_path='last'), or give this run another dirpath (or move them away)."
+            )
 
     def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
         newest = newest_complete_checkpoint(Path(self.dirpath or ""))
@@ -149,6 +157,7 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, idx)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._refuse_foreign(trainer)  # after the restore (which sets ckpt_path and the lineage), before step one
         # Lightning resumes a started epoch without calling on_train_epoch_start, so the restored
         # position goes into the sampler here, before the first batch of the resumed run is drawn.
         sampler = self._sampler(trainer)
@@ -164,7 +173,7 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
         self._position = None
 
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
+        state = {**super().state_dict(), "lineage": self.lineage}
         sampler = self._sampler(self._trainer) if getattr(self, "_trainer", None) is not None else None
         if sampler is not None:
             state["data_position"] = sampler.state_dict()
@@ -172,10 +181,13 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._position = state_dict.pop("data_position", None)
+        self.lineage = state_dict.pop("lineage", None) or self.lineage
         super().load_state_dict(state_dict)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
+        if self.lineage is None:  # one id for all ranks (only rank 0 writes manifests, but all save it)
+            self.lineage = trainer.strategy.broadcast(uuid.uuid4().hex)
         super().setup(trainer, pl_module, stage)
 
 

@@ -6,18 +6,19 @@ into whatever layout the run has now. The hooks through which Lightning would mo
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_llmpar.checkpointing import dcp as ckpt
 from lightning_llmpar.checkpointing.async_save import AsyncSaveHooks
+from lightning_llmpar.checkpointing.manifest import LINEAGE_KEY, remove_owned
 from lightning_llmpar.data_parallel.backend import ShardingBackend
 from lightning_llmpar.strategies.mesh import MeshStrategy
 
@@ -53,28 +54,31 @@ class CheckpointingStrategy(AsyncSaveHooks, MeshStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
-        path = Path(self.broadcast(str(filepath)))
-        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        meta["llmpar_layout"] = str(self.layout)
+        path = Path(self.broadcast(str(Path(filepath).expanduser())))
         # Lightning leaves optimizer state out of weights-only checkpoints (ModelCheckpoint(save_weights_only=True)).
-        meta["llmpar_optimizer_state"] = "optimizer_states" in checkpoint
-        if self._save_in_background(path, lambda staging: self._backend.checkpoint_state(staging, meta), meta):
+        meta = {**{k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")},
+                "llmpar_layout": str(self.layout), "llmpar_optimizer_state": "optimizer_states" in checkpoint}
+        kind, lineage = self._backend.checkpoint_kind, checkpoint.get(LINEAGE_KEY)
+        if self._save_in_background(path, lambda staging: self._backend.checkpoint_state(staging, meta), meta, lineage):
             return
-        ckpt.write_atomically(
+        ckpt.write_atomically(  # a path holding files this library did not write is refused on every rank
             path, lambda staging: self._backend.write_checkpoint(staging, meta), is_rank_zero=self.is_global_zero,
-            barrier=self.barrier,
+            barrier=self.barrier, broadcast=self.broadcast, kind=kind, lineage=lineage,
         )
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        return self._backend.load_checkpoint(Path(self.broadcast(str(checkpoint_path))), weights_only)
+        path = Path(self.broadcast(str(Path(checkpoint_path).expanduser())))
+        problem, note = self.broadcast(ckpt.verdict(path) if self.is_global_zero else (None, None))  # all ranks alike
+        if problem is not None:
+            raise ValueError(f"Checkpoint {path} cannot be loaded: {problem}.")
+        if note is not None:
+            rank_zero_warn(note)
+        trusted = self.options.checkpoint_weights_only if weights_only is None else weights_only
+        return self._backend.load_checkpoint(path, trusted)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         self._wait_for_saves()  # it may be the one being written
-        if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+        if self.is_global_zero:  # only the files its manifest names; anything else stays, with a warning
+            remove_owned(Path(filepath).expanduser())

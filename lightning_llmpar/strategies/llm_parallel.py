@@ -100,6 +100,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
         fused_optimizer: step Adam/AdamW with torch's fused kernel where the optimizer left the choice to torch.
         async_checkpoint: write checkpoints saved during fit in the background (see docs/fault-tolerance.md).
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
+        checkpoint_weights_only: False trusts checkpoints: plain unpickling, DeepSpeed's (docs/fault-tolerance.md).
     """
 
     strategy_name = "llmpar"
@@ -146,6 +147,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        checkpoint_weights_only: bool | None = None,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)

@@ -45,6 +45,7 @@ class StrategyOptions:
     start_method: str = "popen"
     loss_parallel: bool | str = "auto"
     async_checkpoint: bool = False
+    checkpoint_weights_only: bool | None = None  # False: checkpoints are trusted (plain unpickling, DeepSpeed's)
 
 
 def positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
@@ -229,6 +230,8 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
     litgpt = str(check_litgpt_directory(a["litgpt_checkpoint"])) if a["litgpt_checkpoint"] is not None else None
     if hf is not None and litgpt is not None:
         raise ValueError("Give hf_checkpoint or litgpt_checkpoint, not both: they fill the same weights.")
+    if a.get("checkpoint_weights_only") not in (None, True, False):
+        raise ValueError(f"`checkpoint_weights_only` must be None, True or False, got {a['checkpoint_weights_only']!r}.")
     stack = a["block_stack"]
     if stack is not None and not isinstance(stack, str):
         raise ValueError(f"LLMParallelStrategy: `block_stack` must be a module name such as 'model.layers', got {stack!r}.")
@@ -252,4 +255,5 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
         sequence_parallel=a["sequence_parallel"], tp_plan=dict(a["tp_plan"] or {}), cpu_offload=a["cpu_offload"],
         expert_capacity_factor=a["expert_capacity_factor"], compile=a["compile"], start_method=a["start_method"],
         loss_parallel=a["loss_parallel"], async_checkpoint=a["async_checkpoint"],
+        checkpoint_weights_only=a.get("checkpoint_weights_only"),
     )

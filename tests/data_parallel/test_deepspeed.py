@@ -14,7 +14,7 @@ from lightning_llmpar import LLMParallelStrategy, export_consolidated  # noqa: E
 from lightning_llmpar.data_parallel.deepspeed_config import build_deepspeed_config  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 from tests.test_parity import GLOBAL_BATCH, assert_parity, reference_for  # noqa: E402
-from tests.workloads import fit, make_gpt  # noqa: E402
+from tests.workloads import fit, fit_error, make_gpt  # noqa: E402
 
 DS = {"sharding_backend": "deepspeed"}
 
@@ -49,13 +49,19 @@ def test_deepspeed_checkpoint_resumes_and_exports(tmp_path: Path) -> None:
     path = tmp_path / "ds.ckpt"
     first = run(2, {**DS, "zero_stage": 3}, steps=-1, epochs=1, save_to=str(path))
     assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
-    resumed = run(2, {**DS, "zero_stage": 3}, steps=10, ckpt_path=str(path))
+    # DeepSpeed unpickles its files: refused unless trusted explicitly.
+    refused = run_ranks(fit_error, 2, "gpt", {**DS, "zero_stage": 3}, batch_size=GLOBAL_BATCH // 2, steps=10,
+                        ckpt_path=str(path))
+    assert all("DeepSpeed reads it by unpickling" in e and "checkpoint_weights_only=False" in e for e in refused), refused
+    resumed = run(2, {**DS, "zero_stage": 3, "checkpoint_weights_only": False}, steps=10, ckpt_path=str(path))
     for i in range(5):
         loss = sum(o["losses"][i] for o in resumed) / 2
         assert abs(loss - plain["losses"][i]) < 1e-5, (i, loss, plain["losses"][i])
     for name, param in plain["params"].items():
         torch.testing.assert_close(resumed[0]["params"][name], param, atol=5e-4, rtol=0)
-    weights = torch.load(export_consolidated(path, tmp_path / "model.pt"), weights_only=True)
+    with pytest.raises(ValueError, match="weights_only=False"):
+        export_consolidated(path, tmp_path / "model.pt")
+    weights = torch.load(export_consolidated(path, tmp_path / "model.pt", weights_only=False), weights_only=True)
     module = make_gpt()
     module.load_state_dict(weights, strict=True)
     for name, p in module.named_parameters():

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from lightning_llmpar.checkpointing.safe_read import safe_torch_load
 from lightning_llmpar.data_parallel.compression.methods import (
     CompressionConfig,
     CompressionStats,
@@ -148,7 +149,8 @@ class GradientCompression:
 
     def load(self, folder: Path, rank: int, device: torch.device) -> None:
         path = folder / f"compression_rank{rank}.pt"
-        saved = torch.load(path, map_location=device, weights_only=False) if path.is_file() else None
+        # Plain data only: a pickled payload in a checkpoint folder must not run (ValueError instead).
+        saved = safe_torch_load(path, map_location=device) if path.is_file() else None
         if saved is None or saved["signature"] != self.signature or saved["units"].keys() != self.compressors.keys():
             found = "no compressor state" if saved is None else f"state for {saved['signature']}"
             warnings.warn(

@@ -1,0 +1,68 @@
+"""Is a checkpoint folder complete, intact and plain data? Answered without running anything it holds.
+
+Used by every path that reads a checkpoint: the resume scan (``ckpt_path="last"``), the strategy's load, the
+consolidated export. A folder with a manifest must match it file by file (size and CRC-32); one written before
+manifests existed is checked for DCP's own completeness (every shard present and long enough) and accepted with
+a warning. Metadata and ``meta.pt`` are read with the safe readers, so a planted payload is reported, not run.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+from lightning_llmpar.checkpointing.manifest import read_manifest, verify_manifest
+from lightning_llmpar.checkpointing.safe_read import UnsafeCheckpointError, read_dcp_metadata, safe_torch_load
+
+__all__ = ["META_FILE", "checkpoint_problem", "legacy_note"]
+
+META_FILE = "meta.pt"  # everything Lightning keeps besides tensors: loops, callbacks, schedulers, hparams
+
+
+def legacy_note(path: Path) -> str | None:
+    """A warning for a checkpoint written without a manifest (before this library wrote them), else None."""
+    if read_manifest(path) is not None:
+        return None
+    return (f"{path} has no manifest (written by an older version): its files were checked for presence and length,"
+            " not for corruption.")
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be resumed from (which file, expected vs found), or None if it is complete and intact."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        return "not a folder"
+    manifest = read_manifest(path)
+    if manifest is not None:
+        problem = verify_manifest(path, manifest)
+        if problem is not None:
+            return problem
+        if manifest.get("kind") == "deepspeed":
+            return None  # DeepSpeed's files are pickles only DeepSpeed reads, and only when trusted
+    elif (path / "ckpt").is_dir():  # DeepSpeed backend, written before manifests
+        return None if any((path / "ckpt").iterdir()) else "empty DeepSpeed checkpoint"
+    if not (path / ".metadata").is_file() or not (path / META_FILE).is_file():
+        return f"missing .metadata or {META_FILE} (written only when every rank finished)"
+    try:
+        metadata = read_dcp_metadata(path)
+        needed: dict[str, int] = {}
+        for item in (metadata.storage_data or {}).values():
+            needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+        for name, size in needed.items():
+            file = path / name
+            if Path(name).is_absolute() or ".." in Path(name).parts:
+                return f"not a checkpoint: its metadata names a file outside the folder ({name})"
+            if not file.is_file() or file.stat().st_size < size:
+                return f"shard {name} missing or truncated"
+        with zipfile.ZipFile(path / META_FILE) as archive:  # torch.save's zip: its CRCs show corruption
+            bad = archive.testzip()
+        if bad is not None:
+            return f"{META_FILE} is corrupt ({bad})"
+        safe_torch_load(path / META_FILE, map_location="cpu")
+        for extra in sorted(path.glob("compression_rank*.pt")):
+            safe_torch_load(extra, map_location="cpu", mmap=True)
+    except UnsafeCheckpointError as err:
+        return f"not a checkpoint ({err})"
+    except Exception as err:  # noqa: BLE001 - any unreadable part makes the checkpoint unusable
+        return f"unreadable ({type(err).__name__}: {err})"
+    return None

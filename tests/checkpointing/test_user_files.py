@@ -1,0 +1,74 @@
+"""Nothing written deletes what the run did not write (through the public API, one process)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_llmpar.checkpointing.manifest import MANIFEST
+from tests.checkpointing.scenarios import logits, save_pretrained_llama, train
+from tests.distributed import run_ranks
+
+pytest.importorskip("transformers")
+
+
+def _user_files(folder: Path) -> dict[str, bytes]:
+    (folder / "data").mkdir(parents=True, exist_ok=True)
+    files = {"tokenizer.json": b'{"version": "1.0"}', "README.md": b"# my model\n", "data/train.txt": b"hello\n"}
+    for name, content in files.items():
+        (folder / name).write_bytes(content)
+    return files
+
+
+def test_save_hf_checkpoint_into_a_model_folder_keeps_the_users_files(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    run_ranks(save_pretrained_llama, 1, str(model))
+    before = _user_files(model)
+    out = run_ranks(train, 1, steps=2, save_hf=str(model), hf_export={"dirpath": str(tmp_path / "clean")})[0]
+    assert out["error"] is None, out.get("traceback")
+    for name, content in before.items():
+        assert (model / name).read_bytes() == content, f"{name} was deleted or changed"
+    # The weights were replaced: the folder loads as the trained model, exactly as a clean export does.
+    manifest = json.loads((model / MANIFEST).read_text())
+    assert "model.safetensors" in manifest["files"] and "tokenizer.json" not in manifest["files"]
+    ours, clean = run_ranks(logits, 1, str(model))[0], run_ranks(logits, 1, str(tmp_path / "clean" / "final"))[0]
+    torch.testing.assert_close(ours, clean, atol=0, rtol=0)
+
+
+def test_save_hf_checkpoint_refuses_weights_it_would_leave_stale(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    run_ranks(save_pretrained_llama, 1, str(model), shards=True)  # model-0000k-of-0000n + index, not ours
+    shards = sorted(p.name for p in model.iterdir())
+    out = run_ranks(train, 1, steps=1, save_hf=str(model))[0]
+    assert out["error"] and "weight files this export would neither write nor replace" in out["error"]
+    assert sorted(p.name for p in model.iterdir()) == shards, "the refused export changed the folder"
+
+
+def test_hf_export_final_goes_beside_the_step_exports(tmp_path: Path) -> None:
+    out = run_ranks(train, 1, steps=3, hf_export={"dirpath": str(tmp_path), "every_n_train_steps": 1})[0]
+    assert out["error"] is None, out.get("traceback")
+    for name in ("step=1", "step=2", "step=3", "final"):
+        assert (tmp_path / name / "model.safetensors").is_file(), f"{name} export missing"
+    torch.testing.assert_close(run_ranks(logits, 1, str(tmp_path / "step=3"))[0],
+                               run_ranks(logits, 1, str(tmp_path / "final"))[0], atol=0, rtol=0)
+
+
+def test_save_checkpoint_onto_a_folder_with_user_files_is_refused(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    before = _user_files(target)
+    out = run_ranks(train, 1, steps=1, save_ckpt=str(target))[0]
+    assert out["error"] and out["error"].startswith("ValueError") and "README.md" in out["error"], out["error"]
+    assert {n: (target / n).read_bytes() for n in before} == before
+    assert not any(p.name.startswith(".ckpt") for p in tmp_path.iterdir()), "a staging folder was left"
+
+
+def test_save_checkpoint_twice_and_tilde_paths(tmp_path: Path) -> None:
+    # A checkpoint of ours is replaced; '~' is expanded.
+    out = run_ranks(train, 1, steps=1, save_ckpt="~/ckpts/a.ckpt", save_hf="~/hf", home=str(tmp_path))[0]
+    assert out["error"] is None, out.get("traceback")
+    assert (tmp_path / "ckpts" / "a.ckpt" / MANIFEST).is_file() and (tmp_path / "hf" / MANIFEST).is_file()
+    out = run_ranks(train, 1, steps=2, save_ckpt=str(tmp_path / "ckpts" / "a.ckpt"))[0]
+    assert out["error"] is None, out.get("traceback")
