@@ -30,8 +30,8 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 from lightning_llmpar import LLMParallelStrategy
 from lightning_llmpar.data import CorpusDataModule
-from lightning_llmpar.models import GPTModule
 from lightning_llmpar.launch import run_ranks
+from lightning_llmpar.models import GPTModule
 
 OUT = Path(__file__).parent / "results" / "compression.json"
 MODEL = {"n_layer": 4, "n_head": 4, "n_kv_head": 2, "n_embd": 128, "block_size": 128, "learning_rate": 3e-3,

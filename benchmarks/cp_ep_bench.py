@@ -31,8 +31,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_llmpar import LLMParallelStrategy
 from lightning_llmpar.data import ordered_loader
-from lightning_llmpar.models import GPTModule
 from lightning_llmpar.launch import run_ranks
+from lightning_llmpar.models import GPTModule
 
 OUT = Path(__file__).parent / "results" / "cp_ep.json"
 MODEL = dict(vocab_size=256, n_layer=4, n_head=4, n_kv_head=2, n_embd=128)

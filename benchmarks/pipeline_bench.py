@@ -23,10 +23,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_llmpar import LLMParallelStrategy
 from lightning_llmpar.callbacks.timeline import PipelineTimeline
 from lightning_llmpar.data import ordered_loader
+from lightning_llmpar.launch import run_ranks
 from lightning_llmpar.models import GPTModule
 from lightning_llmpar.models.gpt import GPT
 from lightning_llmpar.pipeline.stages import plan_stages
-from lightning_llmpar.launch import run_ranks
 
 OUT = Path(__file__).parent / "results" / "pipeline.json"
 MODEL = dict(vocab_size=256, block_size=128, n_layer=8, n_head=4, n_kv_head=2, n_embd=256)

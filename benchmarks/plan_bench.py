@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
+from lightning_llmpar.launch import run_ranks
 from lightning_llmpar.planner.candidate import Candidate
 from lightning_llmpar.planner.cluster import PRECISIONS, Cluster
 from lightning_llmpar.planner.measure import measure_layout
 from lightning_llmpar.planner.memory import predict_memory
 from lightning_llmpar.planner.spec import model_spec
 from lightning_llmpar.planner.speed import predict_step_time
-from lightning_llmpar.launch import run_ranks
 
 OUT = Path(__file__).parent / "results" / "plan.json"
 MODEL = {"vocab_size": 256, "n_layer": 6, "n_head": 6, "n_kv_head": 2, "n_embd": 384}

@@ -27,8 +27,8 @@ import torch
 from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_llmpar.models import GPTModule
 from lightning_llmpar.launch import run_ranks
+from lightning_llmpar.models import GPTModule
 
 OUT = Path(__file__).parent / "results" / "vs_lightning.json"
 MODEL = dict(vocab_size=256, block_size=128, n_layer=6, n_head=6, n_kv_head=6, n_embd=384)

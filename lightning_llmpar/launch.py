@@ -11,6 +11,7 @@ sockets close can be aborted by gloo's background thread, losing its result.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import io
 import multiprocessing as mp
@@ -78,10 +79,8 @@ def _worker(
         queue.put((rank, True, buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - the traceback is the message the test shows
         queue.put((rank, False, traceback.format_exc()))
-    try:
+    with contextlib.suppress(threading.BrokenBarrierError):
         done.wait(timeout=120)
-    except threading.BrokenBarrierError:
-        pass
 
 
 class NativeCrash(RuntimeError):

@@ -7,8 +7,9 @@ one runs on gloo as well as NCCL.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -18,13 +19,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_llmpar.data_parallel.backend import BackendContext, ShardingBackend
-from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.data_parallel.deepspeed_config import (
     build_deepspeed_config,
     check_deepspeed_layout,
     check_nvme,
     deepspeed_precision,
 )
+from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.strategies.options import StrategyOptions
 from lightning_llmpar.training.documents import apply_document_masking

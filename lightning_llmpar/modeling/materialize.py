@@ -18,9 +18,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
-from lightning_llmpar.modeling.ties import TiedWeight, retie
 from lightning_llmpar.modeling.head_counts import whole_counts
 from lightning_llmpar.modeling.packing import Packing, to_packed
+from lightning_llmpar.modeling.ties import TiedWeight, retie
 
 __all__ = ["has_meta_tensors", "materialize", "pretrained_models"]
 

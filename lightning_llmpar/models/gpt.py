@@ -215,7 +215,7 @@ class GPT(nn.Module):
             mask = document_causal_mask(document_ids)
             if position_ids is None:
                 position_ids = positions_from_documents(document_ids)
-        if T > self.config.block_size:
+        if self.config.block_size < T:
             raise ValueError(f"Sequence length {T} exceeds block_size {self.config.block_size}.")
         x = self.tok_emb(idx)
         if position_ids is None:

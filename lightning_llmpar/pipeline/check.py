@@ -206,14 +206,16 @@ def check_split(
             if s < last:
                 stand_ins.update({n: _StandIn(module.get_submodule(n), n, False, blocks) for n in after})
 
-            def run(value: Tensor | None) -> tuple[bool, Any]:
+            def run(
+                value: Tensor | None, start: int = start, stop: int = stop, s: int = s, stand_ins: dict = stand_ins
+            ) -> tuple[bool, Any]:
                 with quiet_step(module):
                     return stage_program(module, blocks, (start, stop), s == last, value, stand_ins, step)
 
             where = f"stage {s} (blocks {start}..{stop - 1} of '{stack.prefix}')"
             if s > 0 and before and not replicate and incoming is not None:
                 trainable = [p for p in module.parameters() if p.requires_grad]
-                if _reads_before(stand_ins, lambda: _sensitivities(run, incoming, s == last, trainable)):
+                if _reads_before(stand_ins, lambda run=run, x=incoming, t=trainable, end=s == last: _sensitivities(run, x, end, t)):
                     # The stage needs what the modules before the stack compute: they run on every stage (the
                     # split below then runs them whole, and must still give the whole model's values).
                     replicate = True

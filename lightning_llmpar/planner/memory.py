@@ -63,10 +63,8 @@ def activation_elements(spec: ModelSpec, c: Candidate, mode: str) -> float:
         return block_input + h / tp + kv + (h + 2 * a) / tp + f / tp + down
     norms = 2 * ((2 * h + 1) / tp + h) if sp else 2 * (3 * h + 1)
     attention = (5 * h + a) / tp
-    if spec.n_expert:
-        mlp = spec.top_k * (4 * f / tp + 2 * h) + spec.n_expert  # experts, dispatched copies, router logits
-    else:
-        mlp = 4 * f / tp
+    # Experts, their dispatched copies and the router's logits; or the one MLP.
+    mlp = spec.top_k * (4 * f / tp + 2 * h) + spec.n_expert if spec.n_expert else 4 * f / tp
     return norms + attention + mlp
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_llmpar.modeling.packing import Packing
 from lightning_llmpar.modeling.structure import count_attr
 from lightning_llmpar.tensor_parallel import families as fam
 from lightning_llmpar.tensor_parallel.entries import PlanEntry, TPPlan
@@ -14,7 +15,6 @@ from lightning_llmpar.tensor_parallel.entries import has_params as _has_params
 from lightning_llmpar.tensor_parallel.entries import is_norm as _is_norm
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.entries import own_parameter_message as _own_message
-from lightning_llmpar.modeling.packing import Packing
 from lightning_llmpar.tensor_parallel.param_styles import OwnPerHead, OwnShared, ReplicatedOnShards, ShardedNorm
 from lightning_llmpar.tensor_parallel.shared_heads import SharedKVHeads, shared_kv_heads
 from lightning_llmpar.tensor_parallel.styles import HeadSlice, is_conv1d

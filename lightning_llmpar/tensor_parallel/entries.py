@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_llmpar.tensor_parallel.lora import is_lora
 from lightning_llmpar.modeling.packing import Packing
+from lightning_llmpar.tensor_parallel.lora import is_lora
 from lightning_llmpar.tensor_parallel.param_styles import ReplicatedOnShards, ShardedNorm
 from lightning_llmpar.tensor_parallel.styles import (
     TOKEN,

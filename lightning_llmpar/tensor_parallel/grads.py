@@ -27,9 +27,9 @@ def reduce_partial_grads(parameters: Iterable[Tensor]) -> int:
     groups: dict[tuple, list[Tensor]] = defaultdict(list)
     for p in parameters:
         g = p.grad
-        if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
-            if all(pl.reduce_op == "sum" for pl in g.placements if isinstance(pl, Partial)):
-                groups[(g.device_mesh, g.placements, g.dtype)].append(p)
+        partial = [pl for pl in g.placements if isinstance(pl, Partial)] if isinstance(g, DTensor) else []
+        if partial and all(pl.reduce_op == "sum" for pl in partial):
+            groups[(g.device_mesh, g.placements, g.dtype)].append(p)
     for (mesh, placements, _), params in groups.items():
         locals_ = [p.grad.to_local() for p in params]
         flat = torch.cat([t.reshape(-1) for t in locals_])

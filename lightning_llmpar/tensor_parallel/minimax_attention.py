@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from lightning_llmpar.modeling.packing import Packing
 from lightning_llmpar.tensor_parallel.entries import has_params
 from lightning_llmpar.tensor_parallel.entries import join as _join
-from lightning_llmpar.modeling.packing import Packing
 from lightning_llmpar.tensor_parallel.param_styles import ShardedNorm
 from lightning_llmpar.tensor_parallel.ssm import MixerParams, MixerPlan, divisible_heads, linears, region
 

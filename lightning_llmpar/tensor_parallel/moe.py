@@ -6,11 +6,11 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor import Replicate
 
+from lightning_llmpar.modeling.packing import Packing
 from lightning_llmpar.tensor_parallel import families as fam
 from lightning_llmpar.tensor_parallel.entries import PlanEntry, TPPlan
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.entries import linear_like as _linear_like
-from lightning_llmpar.modeling.packing import Packing
 from lightning_llmpar.tensor_parallel.styles import TOKEN, GatherFirstOutput, PrepareFirstInput, SplitExperts
 
 __all__ = ["MoEPlanning", "fused_experts", "stacked_experts"]

@@ -9,9 +9,9 @@ from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from lightning_llmpar.modeling.packing import Packing
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.lora import check_lora, is_lora, lora_parameter_names
-from lightning_llmpar.modeling.packing import Packing
 from lightning_llmpar.tensor_parallel.param_styles import ReplicatedOnShards
 from lightning_llmpar.tensor_parallel.shared_heads import SharedKVHeads
 from lightning_llmpar.tensor_parallel.styles import SplitLinear, VocabEmbedding

@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
+from lightning_llmpar.modeling.packing import Packing, on_rows
 from lightning_llmpar.modeling.structure import find_block_stack, has_forward
 from lightning_llmpar.tensor_parallel import families as fam
 from lightning_llmpar.tensor_parallel.attention import AttentionPlanning
@@ -29,12 +30,11 @@ from lightning_llmpar.tensor_parallel.entries import is_norm as _is_norm
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.entries import linear_like as _linear_like
 from lightning_llmpar.tensor_parallel.entries import own_parameter_message as _own_message
-from lightning_llmpar.tensor_parallel.minimax_attention import plan_minimax_attention
 from lightning_llmpar.tensor_parallel.lora import is_lora, refuse_in_mixer
+from lightning_llmpar.tensor_parallel.minimax_attention import plan_minimax_attention
 from lightning_llmpar.tensor_parallel.mla import LATENT, plan_mla
 from lightning_llmpar.tensor_parallel.moe import MoEPlanning, fused_experts, stacked_experts
 from lightning_llmpar.tensor_parallel.outside import LORA_SPLITS, check_adapters, check_ties, plan_outside
-from lightning_llmpar.modeling.packing import Packing, on_rows
 from lightning_llmpar.tensor_parallel.param_styles import ReplicatedOnShards
 from lightning_llmpar.tensor_parallel.shipped import shipped_roles
 from lightning_llmpar.tensor_parallel.ssm import plan_ssm

@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_llmpar.tensor_parallel.lora import check_lora, is_lora
 from lightning_llmpar.modeling.packing import Packing, on_rows
+from lightning_llmpar.tensor_parallel.lora import check_lora, is_lora
 from lightning_llmpar.tensor_parallel.styles import (
     _distribute,
     _identity_forward_sum_backward,

@@ -34,8 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.modeling.packing import Packing, to_packed
+from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.param_styles import ShardedNorm
 from lightning_llmpar.tensor_parallel.styles import (
     TOKEN,

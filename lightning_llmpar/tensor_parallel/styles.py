@@ -17,9 +17,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
 
+from lightning_llmpar.modeling.packing import Packing, on_rows, to_packed
 from lightning_llmpar.modeling.structure import first_arg_name
 from lightning_llmpar.tensor_parallel.lora import check_lora, is_lora
-from lightning_llmpar.modeling.packing import Packing, on_rows, to_packed
 
 __all__ = [
     "VocabEmbedding",
