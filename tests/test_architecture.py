@@ -136,3 +136,16 @@ def test_no_module_reaches_into_the_strategy() -> None:
              if p.parent.name != "strategies" for i, line in enumerate(p.read_text().splitlines(), 1)
              if pattern.search(line)]
     assert not found, "\n".join(found)
+
+
+def test_the_model_convention_page_shows_the_name_sets_the_code_uses() -> None:
+    # docs/model-convention.md quotes the role name sets of tensor_parallel/families.py: a copy that drifts misleads.
+    from lightning_llmpar.tensor_parallel import families
+
+    page = (ROOT / "docs" / "model-convention.md").read_text()
+    block = page.split("```python\n", 1)[1].split("```", 1)[0]
+    quoted: dict[str, object] = {}
+    exec(block, {}, quoted)  # noqa: S102 - our own documentation
+    assert quoted, "no name sets quoted"
+    for name, value in quoted.items():
+        assert getattr(families, name) == value, f"docs/model-convention.md's {name} differs from families.{name}"
