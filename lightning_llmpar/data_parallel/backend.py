@@ -79,6 +79,12 @@ class ShardingBackend:
 
     def check_layout(self, layout: ParallelLayout) -> None:
         """Refuse a layout this backend cannot run (called once the world size is known, before any process)."""
+        compression = self.options.deepspeed["gradient_compression"]
+        if compression is not None and layout.dp == 1:
+            raise ValueError(
+                f"gradient_compression={compression!r} compresses the data-parallel gradient sync, but this layout has"
+                f" one data-parallel rank ({layout}). Remove it, or use more devices for data parallelism."
+            )
 
     def setup(self, trainer: pl.Trainer, ctx: BackendContext) -> None:
         raise NotImplementedError

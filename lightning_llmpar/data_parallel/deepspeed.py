@@ -25,7 +25,6 @@ from lightning_llmpar.data_parallel.deepspeed_config import (
     check_nvme,
     deepspeed_precision,
 )
-from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.strategies.options import StrategyOptions
 from lightning_llmpar.training.documents import apply_document_masking
@@ -80,14 +79,6 @@ class DeepSpeedBackend(ShardingBackend):
             "offload_parameters": opts["offload_parameters"],
             "gradient_compression": opts["gradient_compression"],
         }
-
-    def check_layout(self, layout: ParallelLayout) -> None:
-        compression = self.options.deepspeed["gradient_compression"]
-        if compression is not None and layout.dp == 1:
-            raise ValueError(
-                f"gradient_compression={compression!r} compresses the data-parallel gradient sync, but this layout has"
-                f" one data-parallel rank ({layout}). Remove it, or use more devices for data parallelism."
-            )
 
     def convert_precision(self, plugin: Precision | None) -> Precision | None:
         # The engine runs precision itself (fp16 with its loss scaler, bf16, autocast); Lightning's side must not
