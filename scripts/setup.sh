@@ -19,6 +19,8 @@ $PIP -e ".[dev]"
 # LitGPT for its model zoo tests and example. Its pins (jsonargparse<=4.41, huggingface-hub<1.4, psutil==7.2.2)
 # conflict with transformers 5 and our jsonargparse; its model code needs only torch, lightning and PyYAML.
 $PIP --no-deps "litgpt==0.5.13"
+# Fault-tolerant replica groups (fault_tolerance="torchft"); its lighthouse server is inside the wheel.
+$PIP "torchft==0.2.0"
 # DeepSpeed compiles its CPU communication op the first time a process group starts; build it here,
 # once per machine (cached under ~/.cache/torch_extensions), rather than inside a timed test.
 if ! command -v nvidia-smi >/dev/null 2>&1; then

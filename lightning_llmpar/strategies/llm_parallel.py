@@ -25,6 +25,7 @@ from lightning_llmpar.context_parallel import ContextParallel
 from lightning_llmpar.data_parallel.backend import FSDP2Backend, ShardingBackend
 from lightning_llmpar.data_parallel.deepspeed import DeepSpeedBackend
 from lightning_llmpar.data_parallel.fsdp import no_gradient_sync
+from lightning_llmpar.fault_tolerance.replica_groups import ReplicaGroupEnv, ReplicaGroups
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.parallelize import ParallelConfig
 from lightning_llmpar.pipeline.runner import PipelineRunner
@@ -96,6 +97,8 @@ class LLMParallelStrategy(MeshStrategy):
             the rest are dropped (logged as moe/dropped_tokens). None (default): no token is dropped.
         compile: ``torch.compile`` each block of the model's block stack (in place, per block, as torchtitan).
         fused_optimizer: step Adam/AdamW with torch's fused kernel where the optimizer left the choice to torch.
+        fault_tolerance: 'torchft': this job is one replica group of several that survive each other's failures
+            (per-step quorum, average over live groups, healing from a peer; see docs/fault-tolerance.md).
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
     """
 
@@ -133,6 +136,7 @@ class LLMParallelStrategy(MeshStrategy):
         expert_capacity_factor: float | None = None,
         compile: bool = False,
         fused_optimizer: bool = True,
+        fault_tolerance: Literal["torchft"] | None = None,
         start_method: START_METHODS = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -163,6 +167,7 @@ class LLMParallelStrategy(MeshStrategy):
         self._start_method, self._process_group_backend, self._timeout = start_method, process_group_backend, timeout
         self._layout, self._device_mesh, self._dp_mesh = None, None, None
         self.num_nodes = 1
+        self._replicas: ReplicaGroups | None = None  # fault_tolerance="torchft": this job is one replica group
         # The sharding backend is an object this strategy holds; the precision plugin given so far is converted
         # again for it (the DeepSpeed engine runs precision itself).
         self._backend: ShardingBackend = DeepSpeedBackend(self) if sharding_backend == "deepspeed" else FSDP2Backend(self)
@@ -202,7 +207,8 @@ class LLMParallelStrategy(MeshStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         dp_mesh = self._dp_mesh
         assert dp_mesh is not None
-        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+        kwargs = {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+        return kwargs if self._replicas is None else self._replicas.sampler_kwargs(kwargs)
 
     @property
     @override
@@ -231,6 +237,8 @@ class LLMParallelStrategy(MeshStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._backend.setup(trainer)
+        if self.options.fault_tolerance == "torchft":
+            self._replicas = ReplicaGroups(self, trainer, ReplicaGroupEnv.from_env(), self._timeout or default_pg_timeout)
 
     @contextmanager
     @override
@@ -290,12 +298,17 @@ class LLMParallelStrategy(MeshStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._replicas is not None:
+            closure = self._replicas.averaging(closure, optimizer)
         return self._backend.optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
     def teardown(self) -> None:
         if self.context_parallel is not None:
             self.context_parallel.teardown()
+        if self._replicas is not None:
+            self._replicas.shutdown()
+            self._replicas = None
         super().teardown()
 
     @override

@@ -10,6 +10,7 @@ from lightning_llmpar.checkpointing.hf import check_hf_directory
 from lightning_llmpar.checkpointing.litgpt import check_litgpt_directory
 from lightning_llmpar.context_parallel.attention import MODES as CP_MODES
 from lightning_llmpar.data_parallel.compression.methods import CompressionConfig
+from lightning_llmpar.fault_tolerance.replica_groups import check_fault_tolerance
 from lightning_llmpar.layout import ZERO_STAGES
 from lightning_llmpar.pipeline.setup import ZERO_BUBBLE_SCHEDULES, PipelineConfig
 from lightning_llmpar.training.loss_normalization import count_target_tokens
@@ -36,6 +37,7 @@ class StrategyOptions:
     count_tokens: Callable[[Any], int] | None = None
     context_parallel_mode: str = "ring"
     fused_optimizer: bool = True
+    fault_tolerance: str | None = None
 
 
 def positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
@@ -214,4 +216,5 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
                                  "zero_stage", "context_parallel", "expert_parallel")}
     count = None if norm == "mean" else count_target_tokens if norm == "tokens" else norm
     return StrategyOptions(degrees, pipeline, a["sharding_backend"], compression, deepspeed, hf, litgpt, stack,
-                           a["pipeline_check"], count, a["context_parallel_mode"], a["fused_optimizer"])
+                           a["pipeline_check"], count, a["context_parallel_mode"], a["fused_optimizer"],
+                           check_fault_tolerance(a))
