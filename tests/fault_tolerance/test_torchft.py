@@ -46,12 +46,15 @@ class Groups:
     def __init__(self, out: Path, lighthouse: str) -> None:
         self.out, self.lighthouse, self.procs = out, lighthouse, []
 
-    def start(self, group: str, *args: str, torchft: bool = True) -> subprocess.Popen:
+    def start(self, group: str, *args: str, torchft: bool = True, ranks: int = 1, zero: int = 0) -> subprocess.Popen:
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NUM_REPLICA_GROUPS": "2",
                "REPLICA_GROUP_ID": group if group.isdigit() else "0", "TORCHFT_LIGHTHOUSE": self.lighthouse,
                "TORCHFT_TIMEOUT_SEC": "120", "TORCHFT_QUORUM_TIMEOUT_SEC": "240", "TORCHFT_CONNECT_TIMEOUT_SEC": "60"}
         cmd = [sys.executable, str(WORKER), "--out", str(self.out), "--group", group, *args]
+        if ranks > 1:  # a group of several ranks is one torchrun job, as users start it
+            cmd[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", env["MASTER_PORT"]]
+            cmd += ["--devices", str(ranks), "--zero", str(zero)]
         log = (self.out / f"{group}_{len(self.procs)}.log").open("w")
         proc = subprocess.Popen(cmd + (["--torchft"] if torchft else []), env=env, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
@@ -104,12 +107,17 @@ def test_refusals(kwargs: dict, env: dict, match: str, monkeypatch: pytest.Monke
         LLMParallelStrategy(**kwargs)
 
 
-def test_two_groups_without_failures_match_one_process(tmp_path: Path, lighthouse: str) -> None:
+LAYOUTS = [pytest.param(1, 0, id="1rank"), pytest.param(2, 3, id="2ranks-zero3")]
+
+
+@pytest.mark.parametrize(("ranks", "zero"), LAYOUTS)
+def test_two_groups_without_failures_match_one_process(tmp_path: Path, lighthouse: str, ranks: int, zero: int) -> None:
     groups = Groups(tmp_path, lighthouse)
     try:
-        g0 = groups.start("0", "--steps", "6", "--wait-ready", "1_run")
-        g1 = groups.start("1", "--steps", "6", "--wait-ready", "0_run")
-        ref = groups.start("ref", "--steps", "6", "--batch", "32", torchft=False)  # both groups' batches at once
+        g0 = groups.start("0", "--steps", "6", "--wait-ready", "1_run", ranks=ranks, zero=zero)
+        g1 = groups.start("1", "--steps", "6", "--wait-ready", "0_run", ranks=ranks, zero=zero)
+        # One process reads every rank's batch of every group at once.
+        ref = groups.start("ref", "--steps", "6", "--batch", str(16 * 2 * ranks), torchft=False)
         assert [groups.wait(p) for p in (g0, g1, ref)] == [0, 0, 0], groups.logs()
     finally:
         groups.close()
@@ -120,20 +128,25 @@ def test_two_groups_without_failures_match_one_process(tmp_path: Path, lighthous
     rows0, rows1, rows_ref = (_rows(tmp_path / f"{g}_run.jsonl") for g in ("0", "1", "ref"))
     for x, y, ref_row in zip(rows0, rows1, rows_ref, strict=True):
         assert x["participants"] == y["participants"] == 2
-        assert abs((x["loss"] + y["loss"]) / 2 - ref_row["loss"]) < 1e-5  # each group read its half of the batch
+        if ranks == 1:  # the row holds rank 0's loss; with one rank per group, each group read half the batch
+            assert abs((x["loss"] + y["loss"]) / 2 - ref_row["loss"]) < 1e-5
     assert rows0[-1]["step"] == rows0[-1]["committed"] == 6
 
 
-def test_killed_group_is_dropped_then_heals(tmp_path: Path, lighthouse: str) -> None:
-    steps, kill_at, hold_at = 12, 3, 7
+@pytest.mark.parametrize(("ranks", "zero"), LAYOUTS)
+def test_killed_group_is_dropped_then_heals(tmp_path: Path, lighthouse: str, ranks: int, zero: int) -> None:
+    steps, kill_at, hold_at = 16, 3, 7
     groups = Groups(tmp_path, lighthouse)
     try:
-        # Group 0 survives; it waits at step 7 until the restarted group 1 is up, so the heal happens mid-run.
+        # Group 0 survives; after step 7 it waits until the restarted group 1 is about to ask for its first quorum,
+        # so the heal happens mid-run (at the next step or, if that quorum formed without it, one of the next).
         g0 = groups.start("0", "--steps", str(steps), "--wait-ready", "1_run",
-                          "--hold-at", str(hold_at), "--hold-for", "ready_1_restart")
-        g1 = groups.start("1", "--steps", str(steps), "--wait-ready", "0_run", "--kill-at", str(kill_at))
-        assert groups.wait(g1) == -signal.SIGKILL, groups.logs()
-        g1 = groups.start("1", "--steps", str(steps), "--tag", "restart")
+                          "--hold-at", str(hold_at), "--hold-for", "ready_1_restart", ranks=ranks, zero=zero)
+        # Every rank of group 1 kills itself with SIGKILL in the middle of the same step.
+        g1 = groups.start("1", "--steps", str(steps), "--wait-ready", "0_run", "--kill-at", str(kill_at),
+                          ranks=ranks, zero=zero)
+        assert groups.wait(g1) == (-signal.SIGKILL if ranks == 1 else 1), groups.logs()  # torchrun reports 1
+        g1 = groups.start("1", "--steps", str(steps), "--tag", "restart", ranks=ranks, zero=zero)
         assert [groups.wait(g0), groups.wait(g1)] == [0, 0], groups.logs()
     finally:
         groups.close()
@@ -146,11 +159,12 @@ def test_killed_group_is_dropped_then_heals(tmp_path: Path, lighthouse: str) -> 
     assert survivor[-1]["committed"] == steps and survivor[-1]["uncommitted"] <= 1
     assert len(survivor) == steps + survivor[-1]["uncommitted"]
     alone = [r["step"] for r in survivor if r["participants"] == 1]
-    assert alone and min(alone) == kill_at + 1 and max(alone) <= hold_at, survivor
     # The restarted group heals from the survivor: it continues at the survivor's step, not from scratch.
-    assert healed[0]["step"] == hold_at + 1 and healed[0]["participants"] == 2, healed
-    assert [r["step"] for r in healed] == list(range(hold_at + 1, steps + 1))
-    assert all(r["participants"] == 2 for r in survivor if r["step"] > hold_at)
+    joined = healed[0]["step"]
+    assert hold_at < joined < steps and healed[0]["participants"] == 2, healed
+    assert [r["step"] for r in healed] == list(range(joined, steps + 1))
+    assert alone == list(range(kill_at + 1, joined)), survivor
+    assert all(r["participants"] == 2 for r in survivor if r["step"] >= joined)
     a, b = _weights(tmp_path / "0_run.pt"), _weights(tmp_path / "1_restart.pt")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)

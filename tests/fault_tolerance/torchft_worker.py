@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_llmpar import LLMParallelStrategy
@@ -59,16 +60,22 @@ class Script(Callback):
         self.args, self.out = args, Path(args.out)
         self._rows = (self.out / f"{args.group}_{args.tag}.jsonl").open("a")
 
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        (self.out / f"ready_{self.args.group}_{self.args.tag}").touch()
-        for other in self.args.wait_ready:
-            _wait_for(self.out / f"ready_{other}", self.args.wait_timeout)
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, idx: int) -> None:
+        # Written right before the step asks for its first quorum (the manager has heartbeated since set-up).
+        if idx == 0:
+            (self.out / f"ready_{self.args.group}_{self.args.tag}").touch()
+            for other in self.args.wait_ready:
+                _wait_for(self.out / f"ready_{other}", self.args.wait_timeout)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         if self.args.kill_at is not None and trainer.global_step == self.args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)  # mid-step: the forward is done, the gradient exchange is not
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int) -> None:
+        if self.args.hold_at is not None and trainer.global_step == self.args.hold_at:
+            _wait_for(self.out / self.args.hold_for, self.args.wait_timeout)
+        if trainer.global_rank != 0:
+            return
         replicas = trainer.strategy._replicas
         row: dict[str, Any] = {"global_step": trainer.global_step, "loss": float(outputs["loss"]), "time": time.time()}
         if replicas is not None:
@@ -77,12 +84,12 @@ class Script(Callback):
                        committed=replicas.committed_steps, uncommitted=replicas.uncommitted_steps)
         self._rows.write(json.dumps(row) + "\n")
         self._rows.flush()
-        if self.args.hold_at is not None and trainer.global_step == self.args.hold_at:
-            _wait_for(self.out / self.args.hold_for, self.args.wait_timeout)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
-        torch.save(weights, self.out / f"{self.args.group}_{self.args.tag}.pt")
+        weights = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                   for k, v in pl_module.state_dict().items()}  # every rank gathers its ZeRO shards
+        if trainer.global_rank == 0:
+            torch.save(weights, self.out / f"{self.args.group}_{self.args.tag}.pt")
 
 
 def main() -> None:
@@ -93,6 +100,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--torchft", action="store_true")
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--zero", type=int, default=0)
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--hold-at", type=int, default=None)
     p.add_argument("--hold-for", default="")
@@ -100,9 +109,9 @@ def main() -> None:
     p.add_argument("--wait-timeout", type=float, default=240.0)
     args = p.parse_args()
     seed_everything(0)
-    strategy = LLMParallelStrategy(fault_tolerance="torchft" if args.torchft else None)
+    strategy = LLMParallelStrategy(zero_stage=args.zero, fault_tolerance="torchft" if args.torchft else None)
     trainer = Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, use_distributed_sampler=False,
+        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps, use_distributed_sampler=False,
         callbacks=[Script(args)], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )
