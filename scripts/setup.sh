@@ -21,6 +21,8 @@ $PIP -e ".[dev]"
 $PIP --no-deps "litgpt==0.5.13"
 # The linter .ci/run runs, pinned so that a new release's rules never fail a commit that passed.
 $PIP "ruff==0.17.6"
+# Fault-tolerant replica groups (fault_tolerance="torchft"); its lighthouse server is inside the wheel.
+$PIP "torchft==0.2.0"
 # DeepSpeed compiles its CPU communication op the first time a process group starts; build it here,
 # once per machine (cached under ~/.cache/torch_extensions), rather than inside a timed test.
 if ! command -v nvidia-smi >/dev/null 2>&1; then

@@ -145,6 +145,10 @@ def console() -> None:
         from lightning_llmpar.cli.plan import plan_command
 
         sys.exit(plan_command(sys.argv[2:]))
+    if sys.argv[1:2] == ["lighthouse"]:
+        from lightning_llmpar.cli.lighthouse import lighthouse_command
+
+        sys.exit(lighthouse_command(sys.argv[2:]))
     main()
 
 

@@ -24,6 +24,7 @@ from lightning_llmpar.data_parallel.backend import BackendContext, FSDP2Backend,
 from lightning_llmpar.data_parallel.deepspeed import DeepSpeedBackend
 from lightning_llmpar.data_parallel.fsdp import no_gradient_sync
 from lightning_llmpar.data_parallel.replicate import ManualBackwardRedirection
+from lightning_llmpar.fault_tolerance.replica_groups import ReplicaGroupEnv, ReplicaGroups
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.pipeline.check import step_on_one_sample
 from lightning_llmpar.pipeline.runner import PipelineRunner
@@ -99,6 +100,8 @@ class LLMParallelStrategy(CheckpointingStrategy):
         compile: ``torch.compile`` each block of the model's block stack (in place, per block, as torchtitan).
         fused_optimizer: step Adam/AdamW with torch's fused kernel where the optimizer left the choice to torch.
         async_checkpoint: write checkpoints saved during fit in the background (see docs/fault-tolerance.md).
+        fault_tolerance: 'torchft': this job is one replica group of several that survive each other's failures
+            (per-step quorum, average over live groups, healing from a peer; see docs/fault-tolerance.md).
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
         checkpoint_weights_only: False trusts checkpoints: plain unpickling, DeepSpeed's (docs/fault-tolerance.md).
     """
@@ -139,6 +142,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
         compile: bool = False,
         fused_optimizer: bool = True,
         async_checkpoint: bool = False,
+        fault_tolerance: Literal["torchft"] | None = None,
         start_method: START_METHODS = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -160,6 +164,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
         self._start_method, self._process_group_backend, self._timeout = start_method, process_group_backend, timeout
         self._layout, self._device_mesh, self._dp_mesh = None, None, None
         self.num_nodes = 1
+        self._replicas: ReplicaGroups | None = None  # fault_tolerance="torchft": this job is one replica group
         # The sharding backend is an object this strategy holds; the precision plugin given so far is converted
         # again for it (the DeepSpeed engine runs precision itself).
         backend = DeepSpeedBackend if sharding_backend == "deepspeed" else FSDP2Backend
@@ -199,7 +204,8 @@ class LLMParallelStrategy(CheckpointingStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         dp_mesh = self._dp_mesh
         assert dp_mesh is not None
-        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+        kwargs = {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+        return kwargs if self._replicas is None else self._replicas.sampler_kwargs(kwargs)
 
     @property
     @override
@@ -234,6 +240,8 @@ class LLMParallelStrategy(CheckpointingStrategy):
             self._composed = composed_before(module, self.layout) or compose(module, self._setup_context(trainer))
         assert self._dp_mesh is not None
         self._backend.setup(trainer, BackendContext(self.layout, self.device_mesh, self._dp_mesh, self.options, self._composed))
+        if self.options.fault_tolerance == "torchft":
+            self._replicas = ReplicaGroups(self, trainer, ReplicaGroupEnv.from_env(), self._timeout or default_pg_timeout)
 
     def _setup_context(self, trainer: pl.Trainer) -> SetupContext:
         checkpointing = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)
@@ -324,12 +332,17 @@ class LLMParallelStrategy(CheckpointingStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._replicas is not None:
+            closure = self._replicas.averaging(closure, optimizer)
         return self._backend.optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
     def teardown(self) -> None:
         if self.context_parallel is not None:
             self.context_parallel.teardown()
+        if self._replicas is not None:
+            self._replicas.shutdown()
+            self._replicas = None
         super().teardown()
 
     @override

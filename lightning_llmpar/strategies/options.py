@@ -10,6 +10,7 @@ from lightning_llmpar.checkpointing.hf_checkpoint import check_hf_directory
 from lightning_llmpar.checkpointing.litgpt_checkpoint import check_litgpt_directory
 from lightning_llmpar.context_parallel.attention import MODES as CP_MODES
 from lightning_llmpar.data_parallel.compression.methods import CompressionConfig
+from lightning_llmpar.fault_tolerance.replica_groups import check_fault_tolerance
 from lightning_llmpar.layout import ZERO_STAGES
 from lightning_llmpar.pipeline.setup import ZERO_BUBBLE_SCHEDULES, PipelineConfig
 from lightning_llmpar.training.loss_normalization import count_target_tokens
@@ -46,6 +47,7 @@ class StrategyOptions:
     loss_parallel: bool | str = "auto"
     async_checkpoint: bool = False
     checkpoint_weights_only: bool | None = None  # False: checkpoints are trusted (plain unpickling, DeepSpeed's)
+    fault_tolerance: str | None = None
 
 
 def positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
@@ -255,5 +257,5 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
         sequence_parallel=a["sequence_parallel"], tp_plan=dict(a["tp_plan"] or {}), cpu_offload=a["cpu_offload"],
         expert_capacity_factor=a["expert_capacity_factor"], compile=a["compile"], start_method=a["start_method"],
         loss_parallel=a["loss_parallel"], async_checkpoint=a["async_checkpoint"],
-        checkpoint_weights_only=a.get("checkpoint_weights_only"),
+        checkpoint_weights_only=a.get("checkpoint_weights_only"), fault_tolerance=check_fault_tolerance(a),
     )

@@ -1,0 +1,273 @@
+"""Replica groups that survive one another: torchft's per-step quorum over whole data-parallel replicas.
+
+Each replica group is its own job (its own torchrun or ``llmpar fit``, its own process group): inside it the
+strategy shards and syncs as without fault tolerance. Between groups, torchft's ``Manager`` asks the lighthouse
+for a quorum every step, averages gradients over the live groups only (a reconfigurable gloo process group that
+pairs rank ``r`` of every group, so ZeRO shards meet their counterparts), and lets the optimizer step only when
+the quorum commits. A group that dies is dropped at the next quorum; a restarted one receives weights, optimizer
+and scheduler state and the step from a live peer (torchft's checkpoint transport) before it steps again.
+
+Data: group ``g`` of ``G`` reads the shard ``g * dp + dp_rank`` of ``G * dp`` (as one job with ``G * dp``
+data-parallel ranks would); a step that does not commit discards its batch, and a restarted group begins its
+shard of the epoch again (see docs/fault-tolerance.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torchft import Manager
+
+__all__ = ["CommitOnQuorum", "ReplicaGroupEnv", "ReplicaGroups", "check_fault_tolerance"]
+
+FAULT_TOLERANCE = ("torchft",)
+ENV_REPLICA_ID, ENV_NUM_GROUPS, ENV_LIGHTHOUSE = "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"
+
+
+@dataclass(frozen=True)
+class ReplicaGroupEnv:
+    """Which replica group this job is, of how many, and where the lighthouse listens (from the environment)."""
+
+    replica_id: int
+    num_groups: int
+    lighthouse: str
+
+    @classmethod
+    def from_env(cls) -> ReplicaGroupEnv:
+        missing = [k for k in (ENV_REPLICA_ID, ENV_NUM_GROUPS, ENV_LIGHTHOUSE) if not os.environ.get(k)]
+        if missing:
+            raise ValueError(
+                f"fault_tolerance='torchft' needs {', '.join(missing)} in the environment: each replica group is its"
+                f" own job, started with {ENV_REPLICA_ID}=<0..G-1> {ENV_NUM_GROUPS}=<G> {ENV_LIGHTHOUSE}=http://<host>:<port>"
+                " (the address `llmpar lighthouse` or `torchft_lighthouse` prints)."
+            )
+        try:
+            rid, num = int(os.environ[ENV_REPLICA_ID]), int(os.environ[ENV_NUM_GROUPS])
+        except ValueError:
+            raise ValueError(
+                f"{ENV_REPLICA_ID}={os.environ[ENV_REPLICA_ID]!r} and {ENV_NUM_GROUPS}={os.environ[ENV_NUM_GROUPS]!r}"
+                " must be integers."
+            ) from None
+        if not 0 <= rid < num:
+            raise ValueError(f"{ENV_REPLICA_ID}={rid} must be in [0, {ENV_NUM_GROUPS}={num}).")
+        return cls(rid, num, os.environ[ENV_LIGHTHOUSE])
+
+
+def check_fault_tolerance(a: dict[str, Any]) -> str | None:
+    """Check ``fault_tolerance`` against the other strategy arguments ``a``; what has not been tested is refused."""
+    ft = a["fault_tolerance"]
+    if ft is None:
+        return None
+    if ft not in FAULT_TOLERANCE:
+        raise ValueError(f"`fault_tolerance` must be None or one of {FAULT_TOLERANCE}, got {ft!r}.")
+    untested = {
+        "pipeline_parallel": a["pipeline_parallel"] != 1, "tensor_parallel": a["tensor_parallel"] != 1,
+        "context_parallel": a["context_parallel"] != 1, "expert_parallel": a["expert_parallel"] != 1,
+        "data_parallel_replicate": a["data_parallel_replicate"] not in ("auto", 1),
+        "sharding_backend": a["sharding_backend"] != "fsdp2", "gradient_compression": a["gradient_compression"] is not None,
+        "loss_normalization": a["loss_normalization"] != "mean",
+    }
+    given = sorted(k for k, v in untested.items() if v)
+    if given:
+        raise ValueError(
+            f"fault_tolerance='torchft' supports data parallelism (plain or ZeRO with the fsdp2 backend) inside each"
+            f" replica group; {', '.join(f'{k}={a[k]!r}' for k in given)} is not supported with it yet. The replica"
+            " groups themselves are the replicate axis: leave data_parallel_replicate at 'auto'."
+        )
+    if importlib.util.find_spec("torchft") is None:
+        raise ValueError("fault_tolerance='torchft' needs the torchft package: pip install 'lightning_llmpar[ft]'.")
+    ReplicaGroupEnv.from_env()
+    return ft
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class CommitOnQuorum(torch.optim.Optimizer):
+    """torchft's ``OptimizerWrapper`` reordered for Lightning: the quorum starts before the closure (Lightning
+    zeroes gradients inside the closure, after the forward), and the wrapped optimizer steps only on commit."""
+
+    def __init__(self, manager: Manager, optimizer: torch.optim.Optimizer, on_decided: Callable[[bool], None]) -> None:
+        # Not Optimizer.__init__: every field is the wrapped optimizer's (the LR scheduler holds that one).
+        self.manager, self.optim, self._on_decided = manager, optimizer, on_decided
+        self._optimizer = optimizer  # what checkpoint code unwraps to
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optim.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optim.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optim.defaults
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optim.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optim.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        self.manager.start_quorum()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        committed = self.manager.should_commit()  # heals this group first if the quorum said so
+        if committed:
+            self.optim.step()
+        self._on_decided(committed)
+        return loss
+
+
+class ReplicaGroups:
+    """This job's torchft manager and what the strategy asks of it (sampler shard, gradient average, shutdown)."""
+
+    def __init__(self, strategy: Any, trainer: pl.Trainer, env: ReplicaGroupEnv, timeout: timedelta) -> None:
+        from torchft import Manager, ProcessGroupGloo
+
+        if strategy.root_device.type != "cpu":
+            raise ValueError(
+                f"fault_tolerance='torchft' runs its cross-group gradient average on gloo and has only been checked on"
+                f" CPU; this run is on {strategy.root_device}. Use accelerator='cpu', or fault_tolerance=None."
+            )
+        if not trainer.lightning_module.automatic_optimization:
+            raise ValueError(
+                "fault_tolerance='torchft' commits or discards the optimizer step Lightning takes in automatic"
+                f" optimization; {type(trainer.lightning_module).__name__} sets automatic_optimization=False."
+            )
+        self.env, self.trainer, self.strategy = env, trainer, strategy
+        self.committed_steps = 0
+        self.uncommitted_steps = 0
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout),
+            load_state_dict=self._load_state_dict,
+            state_dict=self._state_dict,
+            min_replica_size=1,
+            # A synchronous quorum heals a restarted group before its forward, so its gradients count that very
+            # step (the asynchronous one overlaps the RPC with the forward but leaves a healing group out).
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+            rank=strategy.global_rank,
+            world_size=strategy.world_size,
+            store_addr=os.environ["MASTER_ADDR"],
+            store_port=int(os.environ["MASTER_PORT"]),
+            lighthouse_addr=env.lighthouse,
+            replica_id=f"llmpar_group_{env.replica_id}",
+        )
+        strategy.optimizers = [CommitOnQuorum(self.manager, opt, self._decided) for opt in strategy.optimizers]
+
+    # ------------------------------------------------------------------ data
+
+    def sampler_kwargs(self, within_group: dict[str, Any]) -> dict[str, Any]:
+        # Group g takes the shards one job with G x dp data-parallel ranks would give its ranks g*dp .. g*dp+dp-1.
+        dp = within_group["num_replicas"]
+        return {"num_replicas": self.env.num_groups * dp, "rank": self.env.replica_id * dp + within_group["rank"]}
+
+    # ------------------------------------------------------------------ gradients
+
+    def averaging(self, closure: Callable[[], Any], optimizer: Any) -> Callable[[], Any]:
+        """``closure`` followed by the gradient average over the live groups: before clipping and the step,
+        which Lightning's precision plugin runs after the closure."""
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+        def closure_then_average() -> Any:
+            out = closure()
+            self.average_gradients(params)
+            return out
+
+        return closure_then_average
+
+    def average_gradients(self, params: list[torch.Tensor]) -> None:
+        # One flat all-reduce per dtype: every group has the same parameters and layout, so the same offsets.
+        # A parameter without a gradient sends zeros (the buffers must match) and keeps no gradient.
+        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor | None, torch.Tensor]]] = {}
+        for p in params:
+            grad = None if p.grad is None else _local(p.grad)
+            by_dtype.setdefault(p.dtype, []).append((grad, _local(p)))
+        for pairs in by_dtype.values():
+            flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in pairs])
+            self.manager.allreduce(flat).wait()  # errors are recorded by the manager: the step then does not commit
+            offset = 0
+            for g, p in pairs:
+                n = p.numel()
+                if g is not None:
+                    g.copy_(flat[offset : offset + n].view_as(g))
+                offset += n
+
+    def _decided(self, committed: bool) -> None:
+        # Lightning counts every optimizer step; keep its count (max_steps, schedules, checkpoints) equal to the
+        # committed steps, so a discarded step is taken again and a healed group continues at its peers' step.
+        if committed:
+            self.committed_steps += 1
+        else:
+            self.uncommitted_steps += 1
+        progress = self.trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+        progress.ready = self.manager.current_step()
+        progress.completed = self.manager.current_step() - 1  # Lightning adds the one it is taking
+
+    # ------------------------------------------------------------------ healing
+
+    def _state_dict(self) -> dict[str, Any]:
+        s = self.strategy
+        return {
+            "model": {k: _local(v).detach().clone() for k, v in s.model.state_dict().items()},
+            "optimizers": [_locals(opt.optim.state_dict()) for opt in s.optimizers],
+            "schedulers": [cfg.scheduler.state_dict() for cfg in s.lr_scheduler_configs],
+        }
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        s = self.strategy
+        with torch.no_grad():
+            for k, v in s.model.state_dict().items():
+                _local(v).copy_(state["model"][k])
+        for opt, sd in zip(s.optimizers, state["optimizers"]):
+            opt.optim.load_state_dict(_as_params(opt.optim, sd))
+        for cfg, sd in zip(s.lr_scheduler_configs, state["schedulers"]):
+            cfg.scheduler.load_state_dict(sd)
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _locals(sd: dict[str, Any]) -> dict[str, Any]:
+    state = {i: {k: _local(v).detach().clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+             for i, st in sd["state"].items()}
+    return {"state": state, "param_groups": sd["param_groups"]}
+
+
+def _as_params(optim: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+    # The peer sent local shards; this group's parameters have the same layout, so each becomes a DTensor again
+    # where its parameter is one (the optimizer state of a sharded parameter must be sharded like it).
+    params = [p for g in optim.param_groups for p in g["params"]]
+    state = {}
+    for i, st in sd["state"].items():
+        p = params[int(i)]
+        state[i] = {
+            k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+            if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0 else v
+            for k, v in st.items()
+        }
+    return {"state": state, "param_groups": sd["param_groups"]}

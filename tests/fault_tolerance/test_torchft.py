@@ -1,0 +1,170 @@
+"""Replica groups on torchft, as users run them: a lighthouse, one process per replica group, real gloo, kill -9.
+
+Each group is ``torchft_worker.py`` in its own process with its own process group (Lightning + LLMParallelStrategy
+with fault_tolerance="torchft"); the lighthouse runs in this process on a free port. Files the workers write are
+the only channel back (steps, participants, committed counts, final weights).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import free_port
+
+torchft = pytest.importorskip("torchft")
+
+WORKER = Path(__file__).with_name("torchft_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 420  # one worker's whole run, generous for a loaded 2-core machine
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[str]:
+    from torchft.coordination import LighthouseServer
+
+    # min_replicas=1: a lone survivor keeps training. The workers wait for each other before the first step, so
+    # the first quorum holds every group; 3 s without heartbeats declares a group dead.
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=3_000)
+    try:
+        yield f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+    finally:
+        server.shutdown()
+
+
+class Groups:
+    """Starts workers and guarantees none outlives the test."""
+
+    def __init__(self, out: Path, lighthouse: str) -> None:
+        self.out, self.lighthouse, self.procs = out, lighthouse, []
+
+    def start(self, group: str, *args: str, torchft: bool = True, ranks: int = 1, zero: int = 0) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NUM_REPLICA_GROUPS": "2",
+               "REPLICA_GROUP_ID": group if group.isdigit() else "0", "TORCHFT_LIGHTHOUSE": self.lighthouse,
+               "TORCHFT_TIMEOUT_SEC": "120", "TORCHFT_QUORUM_TIMEOUT_SEC": "240", "TORCHFT_CONNECT_TIMEOUT_SEC": "60"}
+        cmd = [sys.executable, str(WORKER), "--out", str(self.out), "--group", group, *args]
+        if ranks > 1:  # a group of several ranks is one torchrun job, as users start it
+            cmd[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", env["MASTER_PORT"]]
+            cmd += ["--devices", str(ranks), "--zero", str(zero)]
+        log = (self.out / f"{group}_{len(self.procs)}.log").open("w")
+        proc = subprocess.Popen(cmd + (["--torchft"] if torchft else []), env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def wait(self, proc: subprocess.Popen) -> int:
+        try:
+            return proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"a worker ran past {TIMEOUT} s; logs in {self.out}:\n{self.logs()}") from None
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.out.glob("*.log")))
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=60)
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "match"),
+    [
+        ({"fault_tolerance": "raft"}, {}, "must be None or one of"),
+        ({"fault_tolerance": "torchft", "tensor_parallel": 2}, {}, "tensor_parallel=2 is not supported"),
+        ({"fault_tolerance": "torchft", "data_parallel_replicate": 2}, {}, "leave data_parallel_replicate"),
+        ({"fault_tolerance": "torchft"}, {"REPLICA_GROUP_ID": None}, "needs REPLICA_GROUP_ID"),
+        ({"fault_tolerance": "torchft"}, {"REPLICA_GROUP_ID": "2"}, r"must be in \[0, NUM_REPLICA_GROUPS=2\)"),
+    ],
+)
+def test_refusals(kwargs: dict, env: dict, match: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_llmpar import LLMParallelStrategy
+
+    base = {"REPLICA_GROUP_ID": "0", "NUM_REPLICA_GROUPS": "2", "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:1"}
+    for k, v in {**base, **env}.items():
+        if v is None:
+            monkeypatch.delenv(k, raising=False)
+        else:
+            monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=match):
+        LLMParallelStrategy(**kwargs)
+
+
+LAYOUTS = [pytest.param(1, 0, id="1rank"), pytest.param(2, 3, id="2ranks-zero3")]
+
+
+@pytest.mark.parametrize(("ranks", "zero"), LAYOUTS)
+def test_two_groups_without_failures_match_one_process(tmp_path: Path, lighthouse: str, ranks: int, zero: int) -> None:
+    groups = Groups(tmp_path, lighthouse)
+    try:
+        g0 = groups.start("0", "--steps", "6", "--wait-ready", "1_run", ranks=ranks, zero=zero)
+        g1 = groups.start("1", "--steps", "6", "--wait-ready", "0_run", ranks=ranks, zero=zero)
+        # One process reads every rank's batch of every group at once.
+        ref = groups.start("ref", "--steps", "6", "--batch", str(16 * 2 * ranks), torchft=False)
+        assert [groups.wait(p) for p in (g0, g1, ref)] == [0, 0, 0], groups.logs()
+    finally:
+        groups.close()
+    a, b, r = (_weights(tmp_path / f"{g}_run.pt") for g in ("0", "1", "ref"))
+    for k in r:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+        torch.testing.assert_close(a[k], r[k], rtol=1e-5, atol=1e-5)
+    rows0, rows1, rows_ref = (_rows(tmp_path / f"{g}_run.jsonl") for g in ("0", "1", "ref"))
+    for x, y, ref_row in zip(rows0, rows1, rows_ref, strict=True):
+        assert x["participants"] == y["participants"] == 2
+        if ranks == 1:  # the row holds rank 0's loss; with one rank per group, each group read half the batch
+            assert abs((x["loss"] + y["loss"]) / 2 - ref_row["loss"]) < 1e-5
+    assert rows0[-1]["step"] == rows0[-1]["committed"] == 6
+
+
+@pytest.mark.parametrize(("ranks", "zero"), LAYOUTS)
+def test_killed_group_is_dropped_then_heals(tmp_path: Path, lighthouse: str, ranks: int, zero: int) -> None:
+    steps, kill_at, hold_at = 16, 3, 7
+    groups = Groups(tmp_path, lighthouse)
+    try:
+        # Group 0 survives; after step 7 it waits until the restarted group 1 is about to ask for its first quorum,
+        # so the heal happens mid-run (at the next step or, if that quorum formed without it, one of the next).
+        g0 = groups.start("0", "--steps", str(steps), "--wait-ready", "1_run",
+                          "--hold-at", str(hold_at), "--hold-for", "ready_1_restart", ranks=ranks, zero=zero)
+        # Every rank of group 1 kills itself with SIGKILL in the middle of the same step.
+        g1 = groups.start("1", "--steps", str(steps), "--wait-ready", "0_run", "--kill-at", str(kill_at),
+                          ranks=ranks, zero=zero)
+        assert groups.wait(g1) == (-signal.SIGKILL if ranks == 1 else 1), groups.logs()  # torchrun reports 1
+        g1 = groups.start("1", "--steps", str(steps), "--tag", "restart", ranks=ranks, zero=zero)
+        assert [groups.wait(g0), groups.wait(g1)] == [0, 0], groups.logs()
+    finally:
+        groups.close()
+    survivor, killed, healed = (_rows(tmp_path / f) for f in ("0_run.jsonl", "1_run.jsonl", "1_restart.jsonl"))
+    assert [r["step"] for r in killed] == list(range(1, kill_at + 1))  # died inside step kill_at + 1
+    # The survivor loses no step: every optimizer step it counts is committed, it reaches max_steps, and it trained
+    # alone while group 1 was down (at most the step in flight at the kill was discarded and taken again).
+    assert all(r["step"] == r["global_step"] for r in survivor)  # Lightning counts committed steps only
+    assert sorted({r["step"] for r in survivor}) == list(range(1, steps + 1))
+    assert survivor[-1]["committed"] == steps and survivor[-1]["uncommitted"] <= 1
+    assert len(survivor) == steps + survivor[-1]["uncommitted"]
+    alone = [r["step"] for r in survivor if r["participants"] == 1]
+    # The restarted group heals from the survivor: it continues at the survivor's step, not from scratch.
+    joined = healed[0]["step"]
+    assert hold_at < joined < steps and healed[0]["participants"] == 2, healed
+    assert [r["step"] for r in healed] == list(range(joined, steps + 1))
+    assert alone == list(range(kill_at + 1, joined)), survivor
+    assert all(r["participants"] == 2 for r in survivor if r["step"] >= joined)
+    a, b = _weights(tmp_path / "0_run.pt"), _weights(tmp_path / "1_restart.pt")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)

@@ -1,0 +1,122 @@
+"""One replica group of the torchft tests: a tiny regression model trained by Lightning with LLMParallelStrategy.
+
+Run as a script, one process per replica group (or one for the reference without torchft). Files under --out
+are the only channel to the test: ``ready_<group>`` once this group's manager is up, ``<group>_<tag>.jsonl``
+one line per optimizer step, ``<group>_<tag>.pt`` the final weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_llmpar import LLMParallelStrategy
+
+
+class Regression(LightningModule):
+    def __init__(self, batch_size: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+        self.batch_size = batch_size
+        g = torch.Generator().manual_seed(7)
+        self.data = TensorDataset(torch.randn(4096, 8, generator=g), torch.randn(4096, 1, generator=g))
+
+    def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)  # momentum: healing must carry state
+
+    def train_dataloader(self) -> DataLoader:
+        # A fixed order (Lightning's own sampler would shuffle): the reference reads the same global batches.
+        sampler = DistributedSampler(self.data, shuffle=False, **self.trainer.strategy.distributed_sampler_kwargs)
+        return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
+
+
+def _wait_for(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.05)
+
+
+class Script(Callback):
+    """Start together, record every step, die or hold where the test says."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.out = args, Path(args.out)
+        self._rows = (self.out / f"{args.group}_{args.tag}.jsonl").open("a")
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, idx: int) -> None:
+        # Written right before the step asks for its first quorum (the manager has heartbeated since set-up).
+        if idx == 0:
+            (self.out / f"ready_{self.args.group}_{self.args.tag}").touch()
+            for other in self.args.wait_ready:
+                _wait_for(self.out / f"ready_{other}", self.args.wait_timeout)
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        if self.args.kill_at is not None and trainer.global_step == self.args.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-step: the forward is done, the gradient exchange is not
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int) -> None:
+        if self.args.hold_at is not None and trainer.global_step == self.args.hold_at:
+            _wait_for(self.out / self.args.hold_for, self.args.wait_timeout)
+        if trainer.global_rank != 0:
+            return
+        replicas = trainer.strategy._replicas
+        row: dict[str, Any] = {"global_step": trainer.global_step, "loss": float(outputs["loss"]), "time": time.time()}
+        if replicas is not None:
+            m = replicas.manager
+            row.update(step=m.current_step(), participants=m.num_participants(),
+                       committed=replicas.committed_steps, uncommitted=replicas.uncommitted_steps)
+        self._rows.write(json.dumps(row) + "\n")
+        self._rows.flush()
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        weights = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                   for k, v in pl_module.state_dict().items()}  # every rank gathers its ZeRO shards
+        if trainer.global_rank == 0:
+            torch.save(weights, self.out / f"{self.args.group}_{self.args.tag}.pt")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--group", default="ref")
+    p.add_argument("--tag", default="run")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--torchft", action="store_true")
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--zero", type=int, default=0)
+    p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--hold-at", type=int, default=None)
+    p.add_argument("--hold-for", default="")
+    p.add_argument("--wait-ready", nargs="*", default=[])
+    p.add_argument("--wait-timeout", type=float, default=240.0)
+    args = p.parse_args()
+    seed_everything(0)
+    strategy = LLMParallelStrategy(zero_stage=args.zero, fault_tolerance="torchft" if args.torchft else None)
+    trainer = Trainer(
+        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps, use_distributed_sampler=False,
+        callbacks=[Script(args)], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Regression(args.batch))
+
+
+if __name__ == "__main__":
+    main()
