@@ -118,6 +118,18 @@ FULL: list[tuple[str, str]] = [
     ("tests/cli/test_cli.py::test_litgpt_example_fine_tunes", "the LitGPT example (LitGPT is fast in the zoo)"),
     ("tests/cli/test_cli.py::test_hugging_face_example_fine_tunes_and_exports",
      "the Hugging Face example (its config is built fast; pretrained weights are fast in test_hf)"),
+    # Loss parallelism, background saves, replica groups: one case of each stays fast.
+    ("tests/tensor_parallel/test_loss_parallel.py::test_loss_parallel_with_pipeline_zero_and_context_parallelism",
+     "four ranks: tp2 x pp2, dp2 x tp2 x ZeRO-3, cp2 x tp2 (the example GPT's tp2 case is fast)"),
+    ("tests/tensor_parallel/test_loss_parallel.py::test_zoo_families_exact_with_loss_parallel_at_tp2",
+     "four families with loss_parallel=True (the zoo's fast tp2 slice runs loss parallel by default)"),
+    ("tests/checkpointing/test_async_checkpoint.py::test_async_saves_resume_exactly_as_synchronous_saves[[]tp2]",
+     "background saves at tp2 (dp2 ZeRO-3 stays fast)"),
+    ("tests/checkpointing/test_async_checkpoint.py::test_async_saves_resume_exactly_as_synchronous_saves[[]pp2]",
+     "background saves at pp2 (dp2 ZeRO-3 stays fast)"),
+    ("tests/fault_tolerance/test_torchft.py::*[[]2ranks-zero3]", "replica groups of two ranks with ZeRO-3 (one rank each stays fast)"),
+    ("tests/cli/test_cli.py::test_cli_logs_the_loss_one_process_logs[[]pp2]",
+     "the logged loss through llmpar fit at pp2 (cp2 stays fast; every layout is fast in test_logged_loss)"),
 ]
 
 
