@@ -135,7 +135,7 @@ def test_hugging_face_example_fine_tunes_and_exports(tmp_path: Path, tiny_pretra
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     from transformers import AutoModelForCausalLM
 
-    trained = AutoModelForCausalLM.from_pretrained(out)
+    trained = AutoModelForCausalLM.from_pretrained(out / "final")  # the end-of-training export
     before = AutoModelForCausalLM.from_pretrained(tiny_pretrained)
     changed = [n for (n, a), (_, b) in zip(trained.named_parameters(), before.named_parameters()) if not torch.equal(a, b)]
     assert len(changed) == len(list(before.parameters())), "every weight was trained and exported"
