@@ -100,10 +100,16 @@ def tiny_litgpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("config", [pytest.param(c, marks=[NEEDS_LITGPT] if "litgpt" in c.stem else []) for c in CONFIGS],
                          ids=[c.stem for c in CONFIGS])
-def test_example_configs_build_a_valid_trainer(config: Path, request: pytest.FixtureRequest) -> None:
+def test_example_configs_build_a_valid_trainer(
+    config: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The real parser instantiates model, data and Trainer; the strategy validates its layout
     # against the config's device count at Trainer construction.
     spec = yaml.safe_load(config.read_text())["trainer"]
+    if spec["strategy"]["init_args"].get("fault_tolerance") == "torchft":  # one replica group's job, as documented
+        monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+        monkeypatch.setenv("NUM_REPLICA_GROUPS", "2")
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510")
     extra = []
     for key, fixture in (("hf_checkpoint", "tiny_pretrained"), ("litgpt_checkpoint", "tiny_litgpt")):
         if key in spec["strategy"]["init_args"]:
