@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from lightning_llmpar.checkpointing.dcp import META_FILE, commit_staging, prepare_staging, replace_problem
+from lightning_llmpar.checkpointing.dcp import META_FILE, commit_staging, prepare_staging, replace_problem, staging_path
 
 __all__ = ["AsyncCheckpointer", "AsyncSaveHooks", "CheckpointWriteError"]
 
@@ -97,7 +97,7 @@ class AsyncCheckpointer:
         self.wait()
         self._start()
         assert self._stager is not None and self._finisher is not None
-        staging = prepare_staging(path) if is_rank_zero else path.with_name(f".{path.name}.partial")
+        staging = prepare_staging(path) if is_rank_zero else staging_path(path)
         barrier()  # the stale staging folder is gone before any rank writes into it
         staging.mkdir(parents=True, exist_ok=True)
         tensors = state(staging)

@@ -55,6 +55,7 @@ __all__ = [
     "recover",
     "replace_problem",
     "save_checkpoint",
+    "staging_path",
     "write_atomically",
     "write_distributed",
 ]
@@ -130,7 +131,8 @@ def _restore_copies(optim: dict[str, Any], aliases: Mapping[str, str], local: se
     return out
 
 
-def _staging(path: Path) -> Path:
+def staging_path(path: Path) -> Path:
+    """The hidden folder a save of ``path`` is written into before its commit."""
     return path.with_name(f".{path.name}.partial")
 
 
@@ -158,7 +160,7 @@ def recover(path: str | Path) -> None:
     path = Path(path).expanduser()
     if path.exists():
         return
-    for copy in (_staging(path), _old(path)):
+    for copy in (staging_path(path), _old(path)):
         if _complete(copy):
             try:
                 os.rename(copy, path)
@@ -173,7 +175,7 @@ def prepare_staging(path: Path) -> Path:
     and ``.NAME.old`` folders (names reserved for this library's saves), return the empty staging folder's path."""
     path = Path(path).expanduser()
     recover(path)
-    staging, old = _staging(path), _old(path)
+    staging, old = staging_path(path), _old(path)
     for stale in (staging, old):
         if stale.exists():
             remove_tree(stale)
@@ -245,7 +247,7 @@ def write_atomically(
     if is_rank_zero:
         prepare_staging(path)
     barrier()
-    staging = _staging(path)
+    staging = staging_path(path)
     write(staging)
     barrier()
     if is_rank_zero:
