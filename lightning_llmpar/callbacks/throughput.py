@@ -38,12 +38,19 @@ def model_flops_per_token(module: nn.Module, seq_len: int, pp_group: Any = None)
     return 6.0 * float(counts[0]) + 12.0 * layers * width * seq_len
 
 
+# The SXM H200 names itself plainly "NVIDIA H200", which Lightning's table does not parse; its dense peaks are
+# the H100 SXM's (NVIDIA's H200 datasheet). FP8 is listed under int8, as in Lightning's table.
+_H200_SXM: dict[torch.dtype, float] = {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, torch.int8: 1978.9e12}
+
+
 def peak_flops_per_device(device: torch.device, dtype: torch.dtype) -> float | None:
     """Dense peak of one device for ``dtype``; Lightning's table lists FP8 peaks under int8."""
     if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         dtype = torch.int8
     if device.type != "cuda":
         return None
+    if torch.cuda.get_device_name(device).strip().lower() == "nvidia h200" and dtype in _H200_SXM:
+        return _H200_SXM[dtype]
     flops = get_available_flops(device, dtype)
     return float(flops) if flops else None
 
