@@ -18,7 +18,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 
 from lightning_llmpar.modeling.packing import Packing, on_rows
 from lightning_llmpar.modeling.structure import find_block_stack, has_forward
@@ -29,22 +29,18 @@ from lightning_llmpar.tensor_parallel.entries import has_params as _has_params
 from lightning_llmpar.tensor_parallel.entries import is_norm as _is_norm
 from lightning_llmpar.tensor_parallel.entries import join as _join
 from lightning_llmpar.tensor_parallel.entries import linear_like as _linear_like
-from lightning_llmpar.tensor_parallel.entries import own_parameter_message as _own_message
-from lightning_llmpar.tensor_parallel.lora import is_lora, refuse_in_mixer
-from lightning_llmpar.tensor_parallel.minimax_attention import plan_minimax_attention
-from lightning_llmpar.tensor_parallel.mla import LATENT, plan_mla
-from lightning_llmpar.tensor_parallel.moe import MoEPlanning, fused_experts, stacked_experts
+from lightning_llmpar.tensor_parallel.lora import is_lora
+from lightning_llmpar.tensor_parallel.moe import MoEPlanning
 from lightning_llmpar.tensor_parallel.outside import LORA_SPLITS, check_adapters, check_ties, plan_outside
 from lightning_llmpar.tensor_parallel.param_styles import ReplicatedOnShards
+from lightning_llmpar.tensor_parallel.regions import RegionPlanning
 from lightning_llmpar.tensor_parallel.shipped import shipped_roles
-from lightning_llmpar.tensor_parallel.ssm import plan_ssm
 from lightning_llmpar.tensor_parallel.styles import (
     TOKEN,
     GatherFirstOutput,
     PrepareFirstInput,
     SplitExperts,
     SplitLinear,
-    is_conv1d,
 )
 
 __all__ = ["TPPlan", "TP_STYLES", "infer_tp_plan", "PlanEntry"]  # TPPlan, TP_STYLES, PlanEntry: see entries
@@ -67,7 +63,7 @@ def infer_tp_plan(
     return _Planner(model, tp, False, user_plan or {}).plan()
 
 
-class _Planner(MoEPlanning, AttentionPlanning):
+class _Planner(RegionPlanning, MoEPlanning, AttentionPlanning):
     def __init__(self, model: nn.Module, tp: int, seq: bool, user_plan: Mapping[str, Any]) -> None:
         self.model, self.tp, self.seq = model, tp, seq
         self.result = TPPlan(sequence_parallel=seq)
@@ -175,97 +171,6 @@ class _Planner(MoEPlanning, AttentionPlanning):
                 inside = any(full == r or full.startswith(r + ".") for r, inline in regions.items() if not inline)
                 if isinstance(sub, nn.Dropout) and not inside:
                     streams[full] = []
-
-    def _plan_region(self, full: str, module: nn.Module, covered: set[str], is_block: bool) -> bool | None:
-        """Plan ``module`` if its children form a region; returns whether the region is inline, else None."""
-        children = dict(module.named_children())
-        if self._role(full, "", module, {}) == "experts" or fused_experts(module, biases=True) or stacked_experts(module):
-            return None  # planned with its MoE parent
-        if LATENT in children and full not in self.claimed:
-            # Multi-head latent attention (DeepSeek): split by heads with its shared latents whole (mla.py); one
-            # with parts beyond those (a sparse-attention indexer) is kept whole, as transformers' own plan keeps it.
-            split = [n for n, _ in module.named_modules() if _join(full, n) in self.claimed]
-            if split:
-                raise ValueError(
-                    f"tp_plan names '{_join(full, split[0])}' of {type(module).__name__} '{full}', a multi-head latent"
-                    " attention: its latents are shared by every head, so a split of its parts alone gives them a"
-                    f" partial gradient (wrong results). Leave '{full}' out of tp_plan: it is split by heads, with"
-                    " its shared latents whole."
-                )
-            mixer = plan_mla(full, module, self.tp, self.seq)
-            if mixer is None:
-                for n, _ in module.named_modules():
-                    self.claimed.add(_join(full, n))
-                    self.styles[_join(full, n)] = None
-                return None
-        elif full not in self.claimed:
-            def plan_mixer() -> Any:
-                return plan_ssm(full, module, self.tp, self.seq) or plan_minimax_attention(full, module, self.tp, self.seq)
-
-            mixer = plan_mixer()
-            if mixer is None:
-                refuse_in_mixer(full, module, plan_mixer)
-        else:
-            mixer = None
-        if mixer is not None:
-            for name, style in mixer.styles.items():
-                self._add(name, style, covered)
-            self.result.packings.update(mixer.packings)
-            self.result.local_counts.update(mixer.counts)
-            covered.update(_join(full, n) for n, _ in module.named_modules())
-            return False
-        experts = [n for n, c in children.items()
-                   if self.roles.get(_join(full, n)) == "experts" or fused_experts(c, biases=True) or stacked_experts(c)]
-        if experts:  # called by the block itself (Gemma 4): under sequence parallelism no module holds the MoE path
-            # alone to gather tokens for, so the router and the experts gather their flat tokens themselves (inline)
-            self._plan_moe(full, module, experts, covered, flat=self.seq and is_block)
-            return self.seq and is_block
-        expert_list = next((n for n, c in children.items() if self._is_expert_list(c)), None)
-        if expert_list is not None:
-            self._plan_expert_list(full, module, expert_list, covered)
-            return False
-        # An expert, or an MLP beside the experts (a shared expert): the layer combines its output whole.
-        in_moe = any(full.startswith(layer + ".") for layer in self._moe_layers)
-        head_dim = getattr(module, "head_dim", None)
-        name_roles = fam.name_roles({n: c for n, c in children.items() if _linear_like(c)},
-                                    head_dim if isinstance(head_dim, int) else None)
-        roles = {n: r for n, c in children.items() if (r := self._role(_join(full, n), n, c, name_roles))}
-        cols = [n for n, r in roles.items() if r in ("col", "qkv", "gate_up")]
-        rows = [n for n, r in roles.items() if r == "row"]
-        if not cols or not rows:
-            return None
-        attention = any(roles[n] == "qkv" for n in cols) or any(n.lower() in fam.Q for n in cols) or hasattr(module, "head_dim")
-        # An MLP whose projections are direct children of the block (OPT) is "inline": its input cannot be
-        # gathered at a module boundary, so its column splits gather their own input.
-        inline = not attention and is_block
-        own = [n for n, _ in module.named_parameters(recurse=False)]
-        if own and not inline and not attention and full not in self.claimed:  # (an inline block: see _plan_rest)
-            raise ValueError(_own_message(module, full, own[0], "features"))
-        heads = self._plan_attention(full, module, roles, cols) if attention else None
-        if attention:
-            self._attention.add(full)
-        else:
-            widths = [fam.out_features(children[n]) for n in cols] + [children[n].weight.shape[0 if is_conv1d(children[n]) else 1] for n in rows]
-            self._widths[full] = frozenset(w // self.tp for w in widths)
-        col_in = TOKEN if (self.seq and inline) else Replicate()
-        row_out = TOKEN if self.seq and not in_moe else Replicate()  # an expert's output is combined whole
-        for n in sorted(cols):
-            name = _join(full, n)
-            packing = self._column_packing(module, n, children[n], roles[n], heads)
-            self._divisible(name, children[n], packing)
-            shared = self._kv_style(full, n, roles[n], packing) if attention else None
-            self._add(name, shared or SplitLinear("col", input=col_in, packing=packing), covered)
-            if packing is not None:
-                self._record_packing(name, children[n], packing)
-        for n in sorted(rows):
-            self._add(_join(full, n), SplitLinear("row", output=row_out), covered)
-        for n in fam.HEADS_TO_HEADS.get(type(module).__name__, ()) if attention else ():
-            self._add(_join(full, n), SplitLinear("row", output=Shard(-1)), covered)
-        if not inline and not (self.seq and in_moe):  # a MoE layer under SP gathers its input itself
-            self._add(full + "#in", PrepareFirstInput(TOKEN if self.seq else Replicate(), Replicate()), covered)
-        if not inline:
-            covered.add(full)
-        return inline
 
     # ------------------------------------------------------------------ everything else in a block
 
