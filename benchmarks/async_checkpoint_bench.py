@@ -251,7 +251,9 @@ def _kill_run(
     kills_file = out / "kills.jsonl"
     killed = [json.loads(line) for line in kills_file.read_text().splitlines()] if kills_file.exists() else []
     row = {"run": run, "kills": killed, "failed_launches": failed, **checks,
-           "passed": len(killed) == kills == failed and all(v is True for v in checks.values()),
+           # A run that reaches its last step before its last planned kill has fewer kills; each kill it had must
+           # be one failed launch, and the finished run must match the uninterrupted one.
+           "passed": 0 < len(killed) == failed and all(v is True for v in checks.values()),
            "wall_s": round(time.perf_counter() - start, 1),
            "partial_left": sorted(p.name for p in (out / "ckpt").glob(".*.partial"))}
     print(json.dumps(row), flush=True)
@@ -275,7 +277,7 @@ def kill_trials(root: Path, runs: int, kills: int, steps: int, every: int) -> di
     for t in threads:
         t.join()
     kill_rows = [k for r in rows for k in r["kills"]]
-    return {"kills": len(kill_rows), "runs": runs, "kills_per_run": kills,
+    return {"kills": len(kill_rows), "runs": runs, "kills_planned_per_run": kills,
             "runs_passed": sum(r["passed"] for r in rows),
             "kills_in_passed_runs": sum(len(r["kills"]) for r in rows if r["passed"]),
             "killed_while_write_in_flight": sum(k["in_flight"] for k in kill_rows),
