@@ -61,3 +61,31 @@ def test_precision_benchmark_runs_bf16_and_fp8(tmp_path: Any) -> None:
     assert result["summary"]["tiny"]["fp8_loss_rel_diff"] < 0.05
     if runs["bf16"]["peak_tflops"] is not None:  # a GPU in Lightning's peak table
         assert 0 < runs["bf16"]["mfu"] < 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_background_saves_on_a_gpu_hold_what_synchronous_saves_hold(tmp_path: Any) -> None:
+    """On a GPU, background saves stage through pinned CPU memory while the next steps run on the device: the
+    checkpoint of step 4 must hold step 4's weights and optimizer state, as a synchronous save does."""
+    from lightning.pytorch import Trainer, seed_everything
+
+    from lightning_llmpar import LLMParallelStrategy
+    from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint, checkpoint_problem
+    from tests.checkpointing.test_async_checkpoint import _tensors
+    from tests.workloads import TokenData, make_gpt
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for name, background in (("sync", False), ("async", True)):
+        seed_everything(0, verbose=False)
+        trainer = Trainer(accelerator="cuda", devices=1, strategy=LLMParallelStrategy(async_checkpoint=background),
+                          max_steps=6, logger=False, enable_progress_bar=False, limit_val_batches=0,
+                          precision="32-true", callbacks=[FaultTolerantCheckpoint(str(tmp_path / name),
+                                                                                  every_n_train_steps=2, keep_last=3)])
+        trainer.fit(make_gpt(), datamodule=TokenData(8))
+    for step in (2, 4, 6):
+        folder = f"step={step}.ckpt"
+        assert checkpoint_problem(tmp_path / "async" / folder) is None
+        expected, written = _tensors(tmp_path / "sync" / folder), _tensors(tmp_path / "async" / folder)
+        assert written.keys() == expected.keys() and expected
+        for key, value in expected.items():
+            torch.testing.assert_close(written[key], value, atol=1e-6, rtol=0, msg=f"{folder}: {key}")

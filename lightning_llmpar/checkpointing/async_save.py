@@ -38,6 +38,14 @@ class CheckpointWriteError(RuntimeError):
     """A background checkpoint write failed (on this rank or another); raised on every rank at the same step."""
 
 
+def _reusable(stager: DefaultStager) -> bool:
+    """Whether ``stager`` can stage again. torch 2.11's DefaultStager closes its state-dict stager at the end of
+    every staging (clearing the copy table it needs), so a second save through it fails with ``KeyError: <class
+    'type'>``; later versions keep it open, with the pinned CPU buffers cached between saves."""
+    table = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+    return bool(table)
+
+
 @dataclass
 class _Save:
     path: Path
@@ -67,7 +75,10 @@ class AsyncCheckpointer:
         return self._pending.staging if self._pending is not None else None
 
     def _start(self) -> None:
-        if self._stager is not None:
+        if self._stager is not None and _reusable(self._stager):
+            return
+        if self._stager is not None:  # torch 2.11 closed it after staging: a fresh one, same options
+            self._stager = DefaultStager(self._staging_options)
             return
         if dist.is_initialized():
             # Collective: every rank calls save() for every checkpoint, so they create these in the same order.
@@ -77,9 +88,10 @@ class AsyncCheckpointer:
         gpu = torch.cuda.is_available()
         # Synchronous staging: the snapshot is complete when save() returns, so the next optimizer step cannot
         # change what is written. Pinning and non-blocking copies need an accelerator.
-        self._stager = DefaultStager(StagingOptions(
+        self._staging_options = StagingOptions(
             use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=gpu,
-        ))
+        )
+        self._stager = DefaultStager(self._staging_options)
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmpar-checkpoint")
 
     def save(

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from lightning_llmpar import LLMParallelStrategy
 from lightning_llmpar.fault_tolerance.callbacks import checkpoint_problem
 from tests.distributed import run_ranks
-from tests.fault_tolerance.test_fault_tolerance import _assert_same_run, _committed, _run_until_done
+from tests.fault_tolerance.test_fault_tolerance import _assert_same_run, committed_samples, run_until_done
 
 LAYOUTS = {
     "dp2_zero3": ({"zero_stage": 3}, 8, (0, 1)),
@@ -42,11 +42,11 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 def test_async_saves_resume_exactly_as_synchronous_saves(tmp_path: Path, layout: str) -> None:
     strategy, steps_per_epoch, data_ranks = LAYOUTS[layout]
     sync = tmp_path / "sync"
-    assert _run_until_done(sync, restarts=0, strategy=strategy) == 0
+    assert run_until_done(sync, restarts=0, strategy=strategy) == 0
     background = tmp_path / "async"
     # Rank 1 is killed in step 7, while or just after the step-6 checkpoint is written in the background.
-    assert _run_until_done(background, kill_at=7, strategy={**strategy, "async_checkpoint": True}) == 1
-    _assert_same_run(background, (torch.load(sync / "final.pt"), _committed(sync)), steps_per_epoch, data_ranks)
+    assert run_until_done(background, kill_at=7, strategy={**strategy, "async_checkpoint": True}) == 1
+    _assert_same_run(background, (torch.load(sync / "final.pt"), committed_samples(sync)), steps_per_epoch, data_ranks)
     assert not any(p.name.startswith(".") for p in (background / "ckpt").iterdir()), "a staging folder was left"
     for step in (9, 12):  # written after the restart, by the resumed run
         name = f"step={step}.ckpt"
@@ -79,7 +79,8 @@ def _train(out: Path, strategy: dict[str, Any], steps: int, slow_s: float, fail_
     from lightning.pytorch import Trainer, seed_everything
 
     from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint
-    from tests.ft_train import _Data, _Module
+    from lightning_llmpar.fault_tolerance.drill import DrillData as _Data
+    from lightning_llmpar.fault_tolerance.drill import DrillModule as _Module
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -146,3 +147,32 @@ def test_async_checkpoint_from_yaml() -> None:
     )
     strategy = parser.instantiate_classes(config).strategy
     assert strategy.options.async_checkpoint and strategy.checkpoint_in_flight is None
+
+
+def test_saves_after_the_first_work_where_torch_closes_its_stager_after_each_staging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.11's DefaultStager closes its state-dict stager after every staging, so reusing it failed the second
+    background save (``KeyError: <class 'type'>``, seen on a GPU machine). That behaviour, replayed here on the
+    installed torch: every save must still commit."""
+    from lightning.pytorch import Trainer, seed_everything
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint
+    from tests.workloads import TokenData, make_gpt
+
+    staged = DefaultStager._stage
+
+    def stage_then_close(self: DefaultStager, *args: Any, **kwargs: Any) -> Any:
+        out = staged(self, *args, **kwargs)
+        self._state_dict_stager.close()
+        return out
+
+    monkeypatch.setattr(DefaultStager, "_stage", stage_then_close)
+    seed_everything(0, verbose=False)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=LLMParallelStrategy(async_checkpoint=True), max_steps=6,
+                      logger=False, enable_progress_bar=False, limit_val_batches=0,
+                      callbacks=[FaultTolerantCheckpoint(str(tmp_path), every_n_train_steps=2, keep_last=3)])
+    trainer.fit(make_gpt(), datamodule=TokenData(8))
+    for step in (2, 4, 6):
+        assert checkpoint_problem(tmp_path / f"step={step}.ckpt") is None
