@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
+from lightning_llmpar.fault_tolerance.drill import STEPS, train
+from lightning_llmpar.fault_tolerance.drill import committed_samples as _committed
+from lightning_llmpar.fault_tolerance.drill import run_until_done as _run_until_done
 from lightning_llmpar.launch import run_ranks
-from tests.fault_tolerance.test_fault_tolerance import STEPS, _committed, _run_until_done
-from tests.ft_train import train
 
 OUT = Path(__file__).parent / "results" / "fault_tolerance.json"
 
@@ -66,7 +67,7 @@ def main() -> None:
         "checkpoint_cost_s_per_save": round((always - never) / STEPS, 3),
         "run_s_without_checkpoints": round(never, 2),
         "run_s_checkpoint_every_step": round(always, 2),
-        "model": "example GPT, 4 blocks, d=32 (tests/ft_train.py), dp2 ZeRO-3 on gloo",
+        "model": "example GPT, 4 blocks, d=32 (lightning_llmpar/fault_tolerance/drill.py), dp2 ZeRO-3 on gloo",
     }
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2))

@@ -149,3 +149,15 @@ def test_the_model_convention_page_shows_the_name_sets_the_code_uses() -> None:
     assert quoted, "no name sets quoted"
     for name, value in quoted.items():
         assert getattr(families, name) == value, f"docs/model-convention.md's {name} differs from families.{name}"
+
+
+def test_benchmarks_and_the_package_import_nothing_from_the_tests() -> None:
+    """Benchmarks run from the package alone: what they share with the tests (the launcher, the fault drill)
+    lives in the package, never in ``tests/``."""
+    offenders = []
+    for path in sorted([*ROOT.joinpath("benchmarks").rglob("*.py"), *PACKAGE.rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            offenders += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n == "tests" or n.startswith("tests.")]
+    assert not offenders, offenders

@@ -1,6 +1,9 @@
-"""A training run that can be killed on purpose (tests/fault_tolerance/test_fault_tolerance.py); also a torchrun script:
+"""A fire drill for the restart path: a small training run (the example GPT, dp2 ZeRO-3 by default, checkpoints
+every 3 steps) that kills one of its ranks on purpose at a step or while a checkpoint is written, and records
+which samples each step trained on, so a restarted run can be compared with an uninterrupted one. The fault
+tests and ``benchmarks/fault_bench.py`` run it; on a cluster it rehearses a job's restarts:
 
-    torchrun --nproc-per-node 2 --max-restarts 3 tests/ft_train.py --out DIR --kill-at 5
+    torchrun --nproc-per-node 2 --max-restarts 3 -m lightning_llmpar.fault_tolerance.drill --out DIR --kill-at 5
 """
 
 from __future__ import annotations
@@ -21,9 +24,13 @@ from lightning_llmpar.callbacks.throughput import ThroughputAndMemory
 from lightning_llmpar.checkpointing import dcp as checkpoint
 from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint, StepGuard
 from lightning_llmpar.fault_tolerance.sampler import ResumableDistributedSampler
+from lightning_llmpar.launch import run_ranks
 from lightning_llmpar.models import GPTModule
 
+__all__ = ["DrillData", "DrillModule", "STEPS", "committed_samples", "run_until_done", "train"]
+
 VOCAB, SEQ, SAMPLES = 64, 16, 64
+STEPS = 12
 
 
 class _Tokens(Dataset):
@@ -41,7 +48,7 @@ class _Tokens(Dataset):
         return self.tokens[i, :-1], self.tokens[i, 1:], i
 
 
-class _Data(LightningDataModule):
+class DrillData(LightningDataModule):
     def __init__(self, dict_batches: bool = False) -> None:
         super().__init__()
         self.dict_batches = dict_batches
@@ -54,7 +61,7 @@ class _Data(LightningDataModule):
         return DataLoader(data, batch_size=4, sampler=sampler, drop_last=True)
 
 
-class _Module(GPTModule):
+class DrillModule(GPTModule):
     def __init__(self, out: Path, kill_at: int) -> None:
         super().__init__(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, n_kv_head=2, n_embd=32,
                          learning_rate=1e-2, warmup_steps=2, total_steps=40)
@@ -95,15 +102,15 @@ def _kill_while_saving(out: Path) -> None:
 def train(out: Path, steps: int = 12, kill_at: int = -1, kill_in_save: bool = False,
           strategy: dict[str, Any] | None = None, timeout_s: float = 1800, save_every: int = 3,
           dict_batches: bool = False) -> int:
-    """``dict_batches``: dict batches, Lightning's own distributed-sampler setting and a throughput callback."""
-    """Train to ``steps`` from the newest intact checkpoint in ``out/ckpt`` (if any); returns the final step."""
+    """Train to ``steps`` from the newest intact checkpoint in ``out/ckpt`` (if any); returns the final step.
+    ``dict_batches``: dict batches, Lightning's own distributed-sampler setting and a throughput callback."""
     from datetime import timedelta
 
     torch.set_num_threads(1)
     if kill_in_save:
         _kill_while_saving(out)
     seed_everything(0, verbose=False)
-    module = _Module(out, kill_at)
+    module = DrillModule(out, kill_at)
     trainer = Trainer(
         accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
         strategy=LLMParallelStrategy(**(strategy or {"zero_stage": 3}), timeout=timedelta(seconds=timeout_s)),
@@ -112,17 +119,46 @@ def train(out: Path, steps: int = 12, kill_at: int = -1, kill_in_save: bool = Fa
         callbacks=[FaultTolerantCheckpoint(str(out / "ckpt"), every_n_train_steps=save_every, keep_last=2), StepGuard(),
                    *([ThroughputAndMemory(log_every_n_steps=2)] if dict_batches else [])],
     )
-    trainer.fit(module, datamodule=_Data(dict_batches), ckpt_path="last")
+    trainer.fit(module, datamodule=DrillData(dict_batches), ckpt_path="last")
     weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in module.named_parameters()}
     if trainer.global_rank == 0:
         torch.save(weights, out / "final.pt")
     return trainer.global_step
 
 
+def run_until_done(
+    out: Path, kill_at: int = -1, in_save: bool = False, restarts: int = 3, strategy: dict[str, Any] | None = None,
+    dict_batches: bool = False, steps: int = STEPS, save_every: int = 3,
+) -> int:
+    """Launch 2 ranks; when a rank dies, start the job again (as a requeue or torchrun restart would).
+
+    The process-group timeout is short, so the surviving rank stops instead of waiting for its peer.
+    Returns how many launches failed.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    for attempt in range(restarts + 1):
+        try:
+            run_ranks(train, 2, out, steps, kill_at, in_save, strategy, 60.0, save_every, dict_batches, timeout=240)
+            return attempt
+        except RuntimeError:
+            continue
+    raise AssertionError(f"the run did not finish within {restarts} restarts")
+
+
+def committed_samples(out: Path) -> dict[tuple[int, int], list[int]]:
+    """(rank, step) -> sample ids of the step that counted: a step replayed after a restart overwrites."""
+    seen: dict[tuple[int, int], list[int]] = {}
+    for rank in (0, 1):
+        for line in (out / f"seen_rank{rank}.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            seen[(rank, rec["step"])] = rec["ids"]
+    return seen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--kill-in-save", action="store_true")
     parser.add_argument("--strategy", type=json.loads, default={"zero_stage": 3})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 from pathlib import Path
@@ -12,47 +11,18 @@ import pytest
 import torch
 
 from lightning_llmpar.fault_tolerance.callbacks import checkpoint_problem, newest_complete_checkpoint
+from lightning_llmpar.fault_tolerance.drill import STEPS, committed_samples, run_until_done
 from lightning_llmpar.fault_tolerance.sampler import ResumableDistributedSampler
 from tests.distributed import run_ranks
-from tests.ft_train import train
 
-STEPS, SAMPLES, STEPS_PER_EPOCH = 12, 64, 8
-
-
-def _run_until_done(
-    out: Path, kill_at: int = -1, in_save: bool = False, restarts: int = 3, strategy: dict[str, Any] | None = None,
-    dict_batches: bool = False,
-) -> int:
-    """Launch 2 ranks; when a rank dies, start the job again (as a requeue or torchrun restart would).
-
-    The process-group timeout is short, so the surviving rank stops instead of waiting for its peer.
-    Returns how many launches failed.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    for attempt in range(restarts + 1):
-        try:
-            run_ranks(train, 2, out, STEPS, kill_at, in_save, strategy, 60.0, 3, dict_batches, timeout=240)
-            return attempt
-        except RuntimeError:
-            continue
-    raise AssertionError(f"the run did not finish within {restarts} restarts")
-
-
-def _committed(out: Path) -> dict[tuple[int, int], list[int]]:
-    """(rank, step) -> sample ids of the step that counted: a step replayed after a restart overwrites."""
-    seen: dict[tuple[int, int], list[int]] = {}
-    for rank in (0, 1):
-        for line in (out / f"seen_rank{rank}.jsonl").read_text().splitlines():
-            rec = json.loads(line)
-            seen[(rank, rec["step"])] = rec["ids"]
-    return seen
+SAMPLES, STEPS_PER_EPOCH = 64, 8
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], dict]:
     out = tmp_path_factory.mktemp("reference")
-    assert _run_until_done(out, restarts=0) == 0
-    return torch.load(out / "final.pt"), _committed(out)
+    assert run_until_done(out, restarts=0) == 0
+    return torch.load(out / "final.pt"), committed_samples(out)
 
 
 def _assert_same_run(
@@ -65,7 +35,7 @@ def _assert_same_run(
     final = torch.load(out / "final.pt")
     for name, value in weights.items():
         torch.testing.assert_close(final[name], value, atol=1e-6, rtol=0, msg=f"{name} differs from the uninterrupted run")
-    committed = _committed(out)
+    committed = committed_samples(out)
     assert committed == seen, "the samples of some step differ from the uninterrupted run"
     first_epoch = sorted(
         i for (rank, step), ids in committed.items() if step < steps_per_epoch and rank in data_ranks for i in ids
@@ -82,7 +52,7 @@ TRIALS = [(trial, random.Random(trial).randint(1, STEPS - 2), trial % 2 == 1) fo
 def test_killed_rank_resumes_to_the_uninterrupted_result(
     tmp_path: Path, uninterrupted: tuple[dict[str, torch.Tensor], dict], trial: int, kill_at: int, in_save: bool
 ) -> None:
-    failures = _run_until_done(tmp_path, kill_at=-1 if in_save else kill_at, in_save=in_save)
+    failures = run_until_done(tmp_path, kill_at=-1 if in_save else kill_at, in_save=in_save)
     assert (tmp_path / "killed").exists() and failures == 1, "the fault was not injected"
     assert not any(p.name.endswith(".partial") for p in (tmp_path / "ckpt").iterdir()), "half-written checkpoint left"
     _assert_same_run(tmp_path, uninterrupted)
@@ -91,23 +61,23 @@ def test_killed_rank_resumes_to_the_uninterrupted_result(
 def test_dict_batches_resume_exactly_once(tmp_path: Path, uninterrupted: tuple[dict[str, torch.Tensor], dict]) -> None:
     # Dict batches (the position counts samples, not keys), the sampler left to Lightning's
     # use_distributed_sampler=True (kept, not wrapped, so its position is saved), throughput logged from dicts.
-    assert _run_until_done(tmp_path, kill_at=5, dict_batches=True) == 1
+    assert run_until_done(tmp_path, kill_at=5, dict_batches=True) == 1
     _assert_same_run(tmp_path, uninterrupted)
 
 
 def test_killed_pipeline_rank_resumes_to_the_uninterrupted_result(tmp_path: Path) -> None:
     pp = {"pipeline_parallel": 2, "pipeline_schedule": "1F1B"}
     ref = tmp_path / "reference"
-    assert _run_until_done(ref, restarts=0, strategy=pp) == 0
+    assert run_until_done(ref, restarts=0, strategy=pp) == 0
     out = tmp_path / "killed"
-    assert _run_until_done(out, kill_at=5, strategy=pp) == 1
+    assert run_until_done(out, kill_at=5, strategy=pp) == 1
     # One data-parallel rank: 64 samples / 4 per step = 16 steps an epoch; both pipeline ranks see the batch.
-    _assert_same_run(out, (torch.load(ref / "final.pt"), _committed(ref)), steps_per_epoch=16, data_ranks=(0,))
+    _assert_same_run(out, (torch.load(ref / "final.pt"), committed_samples(ref)), steps_per_epoch=16, data_ranks=(0,))
 
 
 def test_truncated_and_partial_checkpoints_are_skipped(tmp_path: Path, uninterrupted: Any) -> None:
     out = tmp_path / "run"
-    assert _run_until_done(out, restarts=0) == 0
+    assert run_until_done(out, restarts=0) == 0
     folder = out / "ckpt"
     newest, older = sorted(folder.iterdir(), key=lambda p: int(p.name.split("=")[1].split(".")[0]), reverse=True)
     assert newest_complete_checkpoint(folder) == newest
