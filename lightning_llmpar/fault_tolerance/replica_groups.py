@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_llmpar.fault_tolerance.diloco import DiLoCoConfig, start_diloco
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torchft import Manager
@@ -143,7 +145,8 @@ class CommitOnQuorum(torch.optim.Optimizer):
 class ReplicaGroups:
     """This job's torchft manager and what the strategy asks of it (sampler shard, gradient average, shutdown)."""
 
-    def __init__(self, strategy: Any, trainer: pl.Trainer, env: ReplicaGroupEnv, timeout: timedelta) -> None:
+    def __init__(self, strategy: Any, trainer: pl.Trainer, env: ReplicaGroupEnv, timeout: timedelta,
+                 diloco: DiLoCoConfig | None = None) -> None:
         from torchft import Manager, ProcessGroupGloo
 
         if strategy.root_device.type != "cpu":
@@ -156,7 +159,12 @@ class ReplicaGroups:
                 "fault_tolerance='torchft' commits or discards the optimizer step Lightning takes in automatic"
                 f" optimization; {type(trainer.lightning_module).__name__} sets automatic_optimization=False."
             )
-        self.env, self.trainer, self.strategy = env, trainer, strategy
+        if diloco is not None and len(strategy.optimizers) != 1:
+            raise ValueError(
+                f"data_parallel_sync='diloco' steps one inner optimizer; {type(trainer.lightning_module).__name__}"
+                f" configures {len(strategy.optimizers)}."
+            )
+        self.env, self.trainer, self.strategy, self.diloco = env, trainer, strategy, diloco
         self.committed_steps = 0
         self.uncommitted_steps = 0
         self.manager = Manager(
@@ -167,6 +175,8 @@ class ReplicaGroups:
             # A synchronous quorum heals a restarted group before its forward, so its gradients count that very
             # step (the asynchronous one overlaps the RPC with the forward but leaves a healing group out).
             use_async_quorum=False,
+            # DiLoCo's first quorum comes after the first steps, not before: see diloco.start_diloco.
+            init_sync=diloco is None,
             timeout=timeout,
             quorum_timeout=timeout,
             connect_timeout=timeout,
@@ -177,7 +187,9 @@ class ReplicaGroups:
             lighthouse_addr=env.lighthouse,
             replica_id=f"llmpar_group_{env.replica_id}",
         )
-        strategy.optimizers = [CommitOnQuorum(self.manager, opt, self._decided) for opt in strategy.optimizers]
+        self._local_sgd: Any = None  # DiLoCo: started at the first optimizer step
+        if diloco is None:
+            strategy.optimizers = [CommitOnQuorum(self.manager, opt, self._decided) for opt in strategy.optimizers]
 
     # ------------------------------------------------------------------ data
 
@@ -191,6 +203,13 @@ class ReplicaGroups:
     def averaging(self, closure: Callable[[], Any], optimizer: Any) -> Callable[[], Any]:
         """``closure`` followed by the gradient average over the live groups: before clipping and the step,
         which Lightning's precision plugin runs after the closure."""
+        if self.diloco is not None:
+            if self._local_sgd is None:
+                # Started at the first step, not at set-up: its backup of the last synced weights must hold what
+                # training starts from (a checkpoint is restored after set-up), and its first quorum, which gives
+                # every group the first group's weights, must meet the other groups where they start to train.
+                self._local_sgd = start_diloco(self.manager, self.strategy.model, optimizer, self.diloco)
+            return closure  # gradients stay in the group; the weights are averaged every `diloco.every` steps
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
 
         def closure_then_average() -> Any:
@@ -234,7 +253,7 @@ class ReplicaGroups:
         s = self.strategy
         return {
             "model": {k: _local(v).detach().clone() for k, v in s.model.state_dict().items()},
-            "optimizers": [_locals(opt.optim.state_dict()) for opt in s.optimizers],
+            "optimizers": [_locals(_inner(opt).state_dict()) for opt in s.optimizers],
             "schedulers": [cfg.scheduler.state_dict() for cfg in s.lr_scheduler_configs],
         }
 
@@ -244,12 +263,19 @@ class ReplicaGroups:
             for k, v in s.model.state_dict().items():
                 _local(v).copy_(state["model"][k])
         for opt, sd in zip(s.optimizers, state["optimizers"]):
-            opt.optim.load_state_dict(_as_params(opt.optim, sd))
+            _inner(opt).load_state_dict(_as_params(_inner(opt), sd))
         for cfg, sd in zip(s.lr_scheduler_configs, state["schedulers"]):
             cfg.scheduler.load_state_dict(sd)
 
     def shutdown(self) -> None:
+        if self._local_sgd is not None:
+            self._local_sgd.__exit__(None, None, None)  # removes its hooks from the optimizer
+            self._local_sgd = None
         self.manager.shutdown(wait=False)
+
+
+def _inner(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    return opt.optim if isinstance(opt, CommitOnQuorum) else opt
 
 
 def _locals(sd: dict[str, Any]) -> dict[str, Any]:

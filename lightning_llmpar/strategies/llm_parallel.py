@@ -102,6 +102,9 @@ class LLMParallelStrategy(CheckpointingStrategy):
         async_checkpoint: write checkpoints saved during fit in the background (see docs/fault-tolerance.md).
         fault_tolerance: 'torchft': this job is one replica group of several that survive each other's failures
             (per-step quorum, average over live groups, healing from a peer; see docs/fault-tolerance.md).
+        data_parallel_sync: 'every_step' (default) or 'diloco': with fault_tolerance='torchft', replica groups step
+            on their own and average their weights' progress every ``diloco_every`` steps (default 50) through an
+            outer SGD (``diloco_outer_lr``, default 0.7; Nesterov ``diloco_outer_momentum``, default 0.9).
         start_method: how processes are started when no launcher (torchrun, SLURM) started them.
         checkpoint_weights_only: False trusts checkpoints: plain unpickling, DeepSpeed's (docs/fault-tolerance.md).
     """
@@ -143,6 +146,10 @@ class LLMParallelStrategy(CheckpointingStrategy):
         fused_optimizer: bool = True,
         async_checkpoint: bool = False,
         fault_tolerance: Literal["torchft"] | None = None,
+        data_parallel_sync: Literal["every_step", "diloco"] = "every_step",
+        diloco_every: int | None = None,
+        diloco_outer_lr: float = 0.7,
+        diloco_outer_momentum: float = 0.9,
         start_method: START_METHODS = "popen",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -241,7 +248,8 @@ class LLMParallelStrategy(CheckpointingStrategy):
         assert self._dp_mesh is not None
         self._backend.setup(trainer, BackendContext(self.layout, self.device_mesh, self._dp_mesh, self.options, self._composed))
         if self.options.fault_tolerance == "torchft":
-            self._replicas = ReplicaGroups(self, trainer, ReplicaGroupEnv.from_env(), self._timeout or default_pg_timeout)
+            self._replicas = ReplicaGroups(self, trainer, ReplicaGroupEnv.from_env(), self._timeout or default_pg_timeout,
+                                           self.options.diloco)
 
     def _setup_context(self, trainer: pl.Trainer) -> SetupContext:
         checkpointing = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)

@@ -10,6 +10,7 @@ from lightning_llmpar.checkpointing.hf_checkpoint import check_hf_directory
 from lightning_llmpar.checkpointing.litgpt_checkpoint import check_litgpt_directory
 from lightning_llmpar.context_parallel.attention import MODES as CP_MODES
 from lightning_llmpar.data_parallel.compression.methods import CompressionConfig
+from lightning_llmpar.fault_tolerance.diloco import DiLoCoConfig, check_data_parallel_sync
 from lightning_llmpar.fault_tolerance.replica_groups import check_fault_tolerance
 from lightning_llmpar.layout import ZERO_STAGES
 from lightning_llmpar.pipeline.setup import ZERO_BUBBLE_SCHEDULES, PipelineConfig
@@ -48,6 +49,7 @@ class StrategyOptions:
     async_checkpoint: bool = False
     checkpoint_weights_only: bool | None = None  # False: checkpoints are trusted (plain unpickling, DeepSpeed's)
     fault_tolerance: str | None = None
+    diloco: DiLoCoConfig | None = None  # data_parallel_sync='diloco': replica groups sync every `every` steps
 
 
 def positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
@@ -258,4 +260,5 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
         expert_capacity_factor=a["expert_capacity_factor"], compile=a["compile"], start_method=a["start_method"],
         loss_parallel=a["loss_parallel"], async_checkpoint=a["async_checkpoint"],
         checkpoint_weights_only=a.get("checkpoint_weights_only"), fault_tolerance=check_fault_tolerance(a),
+        diloco=check_data_parallel_sync(a),
     )

@@ -92,6 +92,11 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
         ({"fault_tolerance": "torchft", "data_parallel_replicate": 2}, {}, "leave data_parallel_replicate"),
         ({"fault_tolerance": "torchft"}, {"REPLICA_GROUP_ID": None}, "needs REPLICA_GROUP_ID"),
         ({"fault_tolerance": "torchft"}, {"REPLICA_GROUP_ID": "2"}, r"must be in \[0, NUM_REPLICA_GROUPS=2\)"),
+        ({"data_parallel_sync": "diloco"}, {}, "which fault_tolerance='torchft' provides"),
+        ({"diloco_every": 10}, {}, "set data_parallel_sync='diloco'"),
+        ({"fault_tolerance": "torchft", "data_parallel_sync": "diloco", "diloco_every": 0}, {}, "positive integer"),
+        ({"fault_tolerance": "torchft", "data_parallel_sync": "diloco", "diloco_outer_momentum": 1.0}, {},
+         r"must be in \[0, 1\)"),
     ],
 )
 def test_refusals(kwargs: dict, env: dict, match: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,5 +171,47 @@ def test_killed_group_is_dropped_then_heals(tmp_path: Path, lighthouse: str, ran
     assert alone == list(range(kill_at + 1, joined)), survivor
     assert all(r["participants"] == 2 for r in survivor if r["step"] >= joined)
     a, b = _weights(tmp_path / "0_run.pt"), _weights(tmp_path / "1_restart.pt")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_diloco_every_step_with_a_plain_outer_step_is_synchronous_data_parallelism(tmp_path: Path, lighthouse: str) -> None:
+    """H=1, outer SGD with lr 1 and no momentum, inner SGD with momentum (linear in the gradient): each step's
+    average of the groups' updates is the update of the averaged gradient, so the run is the one-process run."""
+    groups = Groups(tmp_path, lighthouse)
+    diloco = ("--diloco-every", "1", "--outer-lr", "1.0", "--outer-momentum", "0.0")
+    try:
+        g0 = groups.start("0", "--steps", "6", "--wait-ready", "1_run", *diloco)
+        g1 = groups.start("1", "--steps", "6", "--wait-ready", "0_run", *diloco)
+        ref = groups.start("ref", "--steps", "6", "--batch", "32", torchft=False)
+        assert [groups.wait(p) for p in (g0, g1, ref)] == [0, 0, 0], groups.logs()
+    finally:
+        groups.close()
+    a, b, r = (_weights(tmp_path / f"{g}_run.pt") for g in ("0", "1", "ref"))
+    for k in r:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+        torch.testing.assert_close(a[k], r[k], rtol=1e-5, atol=1e-5)
+    rows0 = _rows(tmp_path / "0_run.jsonl")
+    # torchft counts committed quorums: the one before the first step, then one sync per step.
+    assert [r["step"] for r in rows0] == list(range(2, 8)) and all(r["participants"] == 2 for r in rows0)
+
+
+def test_diloco_groups_part_between_syncs_and_meet_at_each(tmp_path: Path, lighthouse: str) -> None:
+    """H=3 with the default outer optimizer (Nesterov SGD 0.7 / 0.9), each group of 2 ranks with ZeRO-3: the
+    groups' weights differ after the inner steps and are equal, bit for bit, after every third step."""
+    groups = Groups(tmp_path, lighthouse)
+    try:
+        g0 = groups.start("0", "--steps", "6", "--wait-ready", "1_run", "--diloco-every", "3", ranks=2, zero=3)
+        g1 = groups.start("1", "--steps", "6", "--wait-ready", "0_run", "--diloco-every", "3", ranks=2, zero=3)
+        assert [groups.wait(p) for p in (g0, g1)] == [0, 0], groups.logs()
+    finally:
+        groups.close()
+    rows0, rows1 = (_rows(tmp_path / f"{g}_run.jsonl") for g in ("0", "1"))
+    assert [r["global_step"] for r in rows0] == [r["global_step"] for r in rows1] == list(range(1, 7))
+    for x, y in zip(rows0, rows1, strict=True):
+        synced = x["global_step"] % 3 == 0
+        assert (x["weights_sum"] == y["weights_sum"]) == synced, (x, y)
+    assert rows0[-1]["step"] == rows1[-1]["step"] == 3  # torchft's count: the first quorum, then two syncs
+    a, b = _weights(tmp_path / "0_run.pt"), _weights(tmp_path / "1_run.pt")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)

@@ -74,14 +74,20 @@ class Script(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int) -> None:
         if self.args.hold_at is not None and trainer.global_step == self.args.hold_at:
             _wait_for(self.out / self.args.hold_for, self.args.wait_timeout)
+        # Where the weights are, exactly: the groups of a DiLoCo run part between syncs and meet at each one. Every
+        # rank gathers its ZeRO shards (a collective), then rank 0 writes.
+        weights_sum = sum(float((p.full_tensor() if isinstance(p, DTensor) else p).detach().double().sum())
+                          for p in pl_module.parameters())
         if trainer.global_rank != 0:
             return
         replicas = trainer.strategy._replicas
-        row: dict[str, Any] = {"global_step": trainer.global_step, "loss": float(outputs["loss"]), "time": time.time()}
+        row: dict[str, Any] = {"global_step": trainer.global_step, "loss": float(outputs["loss"]), "time": time.time(),
+                               "weights_sum": weights_sum}
         if replicas is not None:
             m = replicas.manager
             row.update(step=m.current_step(), participants=m.num_participants(),
                        committed=replicas.committed_steps, uncommitted=replicas.uncommitted_steps)
+
         self._rows.write(json.dumps(row) + "\n")
         self._rows.flush()
 
@@ -107,9 +113,14 @@ def main() -> None:
     p.add_argument("--hold-for", default="")
     p.add_argument("--wait-ready", nargs="*", default=[])
     p.add_argument("--wait-timeout", type=float, default=240.0)
+    p.add_argument("--diloco-every", type=int, default=None)
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
     args = p.parse_args()
     seed_everything(0)
-    strategy = LLMParallelStrategy(zero_stage=args.zero, fault_tolerance="torchft" if args.torchft else None)
+    diloco = {"data_parallel_sync": "diloco", "diloco_every": args.diloco_every, "diloco_outer_lr": args.outer_lr,
+              "diloco_outer_momentum": args.outer_momentum} if args.diloco_every else {}
+    strategy = LLMParallelStrategy(zero_stage=args.zero, fault_tolerance="torchft" if args.torchft else None, **diloco)
     trainer = Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps, use_distributed_sampler=False,
         callbacks=[Script(args)], logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -1,0 +1,106 @@
+"""Low-bandwidth data parallelism between replica groups: DiLoCo on torchft.
+
+Each replica group takes ``every`` optimizer steps on its own (the inner optimizer: the one the LightningModule
+configures, over the group's own data-parallel ranks as usual), then the groups average their pseudo-gradients
+(the weights at the last sync minus the weights now) and an outer optimizer (SGD with Nesterov momentum, as in
+the DiLoCo paper) steps from the last synced weights. The groups exchange one model's worth of bytes every
+``every`` steps instead of every step. torchft's ``DiLoCo`` does the work: its quorum runs once per sync, and a
+step whose sync fails returns every group to the last synced weights.
+
+With ``every=1``, an outer learning rate of 1 and no outer momentum, a linear inner optimizer (SGD, with or
+without momentum) steps exactly as synchronous data parallelism over all groups would: the average of the
+groups' updates is the update of their averaged gradients. Adam is not linear in its gradient, so there the
+two differ even at ``every=1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from torchft import Manager
+    from torchft.local_sgd import DiLoCo
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+__all__ = ["DATA_PARALLEL_SYNC", "DiLoCoConfig", "check_data_parallel_sync", "start_diloco"]
+
+DATA_PARALLEL_SYNC = ("every_step", "diloco")
+DEFAULT_EVERY = 50
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    every: int = DEFAULT_EVERY  # inner steps between syncs (the paper's H)
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9  # Nesterov momentum where > 0
+
+
+def check_data_parallel_sync(a: dict[str, Any]) -> DiLoCoConfig | None:
+    """Check ``data_parallel_sync`` and the ``diloco_*`` arguments of the strategy's keyword arguments ``a``."""
+    sync, every = a.get("data_parallel_sync", "every_step"), a.get("diloco_every")
+    lr, momentum = a.get("diloco_outer_lr", 0.7), a.get("diloco_outer_momentum", 0.9)
+    if sync not in DATA_PARALLEL_SYNC:
+        raise ValueError(f"`data_parallel_sync` must be one of {DATA_PARALLEL_SYNC}, got {sync!r}.")
+    if sync == "every_step":
+        if every is not None:
+            raise ValueError(
+                f"diloco_every={every!r} is given but data_parallel_sync='every_step' syncs every step; set"
+                " data_parallel_sync='diloco' to sync every diloco_every steps, or leave diloco_every out."
+            )
+        return None
+    if a.get("fault_tolerance") != "torchft":
+        raise ValueError(
+            "data_parallel_sync='diloco' syncs replica groups, which fault_tolerance='torchft' provides (each group"
+            f" its own job, see docs/fault-tolerance.md); got fault_tolerance={a.get('fault_tolerance')!r}."
+        )
+    every = DEFAULT_EVERY if every is None else every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"`diloco_every` must be a positive integer (inner steps between syncs), got {every!r}.")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
+        raise ValueError(f"`diloco_outer_lr` must be a positive number, got {lr!r}.")
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+        raise ValueError(f"`diloco_outer_momentum` must be in [0, 1), got {momentum!r}.")
+    return DiLoCoConfig(every, float(lr), float(momentum))
+
+
+def start_diloco(manager: Manager, model: nn.Module, inner: torch.optim.Optimizer, config: DiLoCoConfig) -> DiLoCo:
+    """torchft's DiLoCo over the whole model as one fragment, its hooks on ``inner``: entered, ready to train."""
+    from torchft.local_sgd import DiLoCo
+
+    # One quorum before the first inner step, with torchft's step-0 weight sync turned off (ReplicaGroups): a
+    # group fetching another's state there races the other's next steps. The groups must start from the same
+    # weights instead (one seed, or one checkpoint), which an average of two checksums checks here.
+    manager.start_quorum()
+    with torch.no_grad():
+        mine = torch.stack([sum((_local(p).double().sum() for p in model.parameters()), torch.zeros((), dtype=torch.float64)),
+                            sum((_local(p).double().square().sum() for p in model.parameters()), torch.zeros((), dtype=torch.float64))])
+        mean = mine.clone()
+        manager.allreduce(mean).wait()
+    if not manager.should_commit() or manager.current_step() != 1:
+        raise RuntimeError(
+            f"This replica group could not join the DiLoCo replica groups at their first sync (their step is"
+            f" {manager.current_step()}): a group restarted into a running DiLoCo job is not supported (it would have"
+            " to join the others' next sync halfway). Restart every group from the last checkpoint"
+            " (FaultTolerantCheckpoint), or use data_parallel_sync='every_step', where a restarted group heals."
+        )
+    if not torch.allclose(mean, mine, rtol=1e-9, atol=0):
+        raise ValueError(
+            f"The replica groups start DiLoCo from different weights (this group's sum and sum of squares"
+            f" {mine.tolist()}, the groups' mean {mean.tolist()}): give every group the same seed (seed_everything)"
+            " or the same checkpoint."
+        )
+    params = [p for p in model.parameters() if p.requires_grad]
+    outer = torch.optim.SGD(params, lr=config.outer_lr, momentum=config.outer_momentum,
+                            nesterov=config.outer_momentum > 0)
+    # The backup of the last synced weights stays in CPU memory (torchft's default); pinned only beside a GPU.
+    diloco = DiLoCo(manager, [model], inner, outer, sync_every=config.every, backup_device=torch.device("cpu"),
+                    pin_memory=torch.cuda.is_available())
+    return diloco.__enter__()
