@@ -128,6 +128,8 @@ FULL: list[tuple[str, str]] = [
     ("tests/checkpointing/test_async_checkpoint.py::test_async_saves_resume_exactly_as_synchronous_saves[[]pp2]",
      "background saves at pp2 (dp2 ZeRO-3 stays fast)"),
     ("tests/fault_tolerance/test_torchft.py::*[[]2ranks-zero3]", "replica groups of two ranks with ZeRO-3 (one rank each stays fast)"),
+    ("tests/fault_tolerance/test_torchft.py::test_three_groups_match_one_process_and_two_survive_a_third",
+     "three replica groups, one killed (two groups, killed and healed, stay fast)"),
     ("tests/fault_tolerance/test_torchft.py::test_diloco_groups_part_between_syncs_and_meet_at_each",
      "DiLoCo between two-rank ZeRO-3 groups (DiLoCo at H=1 with one rank each stays fast)"),
     ("tests/cli/test_cli.py::test_cli_logs_the_loss_one_process_logs[[]pp2]",

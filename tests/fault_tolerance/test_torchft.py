@@ -43,12 +43,12 @@ def lighthouse() -> Iterator[str]:
 class Groups:
     """Starts workers and guarantees none outlives the test."""
 
-    def __init__(self, out: Path, lighthouse: str) -> None:
-        self.out, self.lighthouse, self.procs = out, lighthouse, []
+    def __init__(self, out: Path, lighthouse: str, num_groups: int = 2) -> None:
+        self.out, self.lighthouse, self.procs, self.num_groups = out, lighthouse, [], num_groups
 
     def start(self, group: str, *args: str, torchft: bool = True, ranks: int = 1, zero: int = 0) -> subprocess.Popen:
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NUM_REPLICA_GROUPS": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NUM_REPLICA_GROUPS": str(self.num_groups),
                "REPLICA_GROUP_ID": group if group.isdigit() else "0", "TORCHFT_LIGHTHOUSE": self.lighthouse,
                "TORCHFT_TIMEOUT_SEC": "120", "TORCHFT_QUORUM_TIMEOUT_SEC": "240", "TORCHFT_CONNECT_TIMEOUT_SEC": "60"}
         cmd = [sys.executable, str(WORKER), "--out", str(self.out), "--group", group, *args]
@@ -212,6 +212,33 @@ def test_diloco_groups_part_between_syncs_and_meet_at_each(tmp_path: Path, light
         synced = x["global_step"] % 3 == 0
         assert (x["weights_sum"] == y["weights_sum"]) == synced, (x, y)
     assert rows0[-1]["step"] == rows1[-1]["step"] == 3  # torchft's count: the first quorum, then two syncs
+    a, b = _weights(tmp_path / "0_run.pt"), _weights(tmp_path / "1_run.pt")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_three_groups_match_one_process_and_two_survive_a_third(tmp_path: Path, lighthouse: str) -> None:
+    """Three groups of one rank: exact against one process while all live; group 2 is killed in step 4, and the
+    other two lose no step, keep identical weights and train on as two."""
+    steps, kill_at = 8, 3
+    groups = Groups(tmp_path, lighthouse, num_groups=3)
+    try:
+        live = [groups.start(g, "--steps", str(steps), "--wait-ready", *(f"{o}_run" for o in "012" if o != g))
+                for g in "01"]
+        killed = groups.start("2", "--steps", str(steps), "--wait-ready", "0_run", "1_run", "--kill-at", str(kill_at))
+        ref = groups.start("ref", "--steps", str(kill_at), "--batch", str(16 * 3), torchft=False)
+        assert groups.wait(killed) == -signal.SIGKILL, groups.logs()
+        assert [groups.wait(p) for p in (*live, ref)] == [0, 0, 0], groups.logs()
+    finally:
+        groups.close()
+    rows0, rows1, rows_ref = (_rows(tmp_path / f"{g}_run.jsonl") for g in ("0", "1", "ref"))
+    for g in (rows0, rows1):
+        assert all(r["step"] == r["global_step"] for r in g) and sorted({r["step"] for r in g}) == list(range(1, steps + 1))
+        assert g[-1]["committed"] == steps and g[-1]["uncommitted"] <= 1
+        assert [r["participants"] for r in g[:kill_at]] == [3] * kill_at and g[-1]["participants"] == 2
+    for x, y, ref_row in zip(rows0[:kill_at], rows1[:kill_at], rows_ref, strict=True):
+        # a sum of ~300 fp32 weights: each within ~1e-7 of the one-process run
+        assert abs(x["weights_sum"] - ref_row["weights_sum"]) < 1e-4 and x["weights_sum"] == y["weights_sum"]
     a, b = _weights(tmp_path / "0_run.pt"), _weights(tmp_path / "1_run.pt")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
