@@ -81,7 +81,11 @@ def test_background_saves_on_a_gpu_hold_what_synchronous_saves_hold(tmp_path: An
                           max_steps=6, logger=False, enable_progress_bar=False, limit_val_batches=0,
                           precision="32-true", callbacks=[FaultTolerantCheckpoint(str(tmp_path / name),
                                                                                   every_n_train_steps=2, keep_last=3)])
-        trainer.fit(make_gpt(), datamodule=TokenData(8))
+        try:
+            trainer.fit(make_gpt(), datamodule=TokenData(8))
+        finally:  # in this process: the next run (and test) starts without a process group
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
     for step in (2, 4, 6):
         folder = f"step={step}.ckpt"
         assert checkpoint_problem(tmp_path / "async" / folder) is None
