@@ -64,7 +64,7 @@ def test_precision_benchmark_runs_bf16_and_fp8(tmp_path: Any) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_background_saves_on_a_gpu_hold_what_synchronous_saves_hold(tmp_path: Any) -> None:
+def test_background_saves_on_a_gpu_hold_what_synchronous_saves_hold(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU, background saves stage through pinned CPU memory while the next steps run on the device: the
     checkpoint of step 4 must hold step 4's weights and optimizer state, as a synchronous save does."""
     from lightning.pytorch import Trainer, seed_everything
@@ -72,9 +72,13 @@ def test_background_saves_on_a_gpu_hold_what_synchronous_saves_hold(tmp_path: An
     from lightning_llmpar import LLMParallelStrategy
     from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint, checkpoint_problem
     from tests.checkpointing.test_async_checkpoint import _tensors
+    from tests.distributed import free_port
     from tests.workloads import TokenData, make_gpt
 
     torch.backends.cuda.matmul.allow_tf32 = False
+    # Lightning writes the rendezvous address into os.environ: set here, it is removed after the test.
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     for name, background in (("sync", False), ("async", True)):
         seed_everything(0, verbose=False)
         trainer = Trainer(accelerator="cuda", devices=1, strategy=LLMParallelStrategy(async_checkpoint=background),
