@@ -115,13 +115,14 @@ def test_refusals(kwargs: dict, env: dict, match: str, monkeypatch: pytest.Monke
 LAYOUTS = [pytest.param(1, 0, id="1rank"), pytest.param(2, 3, id="2ranks-zero3")]
 
 
-@pytest.mark.parametrize(("ranks", "zero"), LAYOUTS)
-def test_two_groups_without_failures_match_one_process(tmp_path: Path, lighthouse: str, ranks: int, zero: int) -> None:
+def _two_groups_against_one_process(tmp_path: Path, lighthouse: str, *args: str, ranks: int = 1,
+                                    zero: int = 0) -> tuple[list[dict], ...]:
+    """Run two groups (``args`` added to each) and one process reading every rank's batch of every group at once,
+    6 steps; the groups end bitwise equal and within fp32 1e-5 of the one process. Returns each run's rows."""
     groups = Groups(tmp_path, lighthouse)
     try:
-        g0 = groups.start("0", "--steps", "6", "--wait-ready", "1_run", ranks=ranks, zero=zero)
-        g1 = groups.start("1", "--steps", "6", "--wait-ready", "0_run", ranks=ranks, zero=zero)
-        # One process reads every rank's batch of every group at once.
+        g0 = groups.start("0", "--steps", "6", "--wait-ready", "1_run", *args, ranks=ranks, zero=zero)
+        g1 = groups.start("1", "--steps", "6", "--wait-ready", "0_run", *args, ranks=ranks, zero=zero)
         ref = groups.start("ref", "--steps", "6", "--batch", str(16 * 2 * ranks), torchft=False)
         assert [groups.wait(p) for p in (g0, g1, ref)] == [0, 0, 0], groups.logs()
     finally:
@@ -130,7 +131,12 @@ def test_two_groups_without_failures_match_one_process(tmp_path: Path, lighthous
     for k in r:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
         torch.testing.assert_close(a[k], r[k], rtol=1e-5, atol=1e-5)
-    rows0, rows1, rows_ref = (_rows(tmp_path / f"{g}_run.jsonl") for g in ("0", "1", "ref"))
+    return tuple(_rows(tmp_path / f"{g}_run.jsonl") for g in ("0", "1", "ref"))
+
+
+@pytest.mark.parametrize(("ranks", "zero"), LAYOUTS)
+def test_two_groups_without_failures_match_one_process(tmp_path: Path, lighthouse: str, ranks: int, zero: int) -> None:
+    rows0, rows1, rows_ref = _two_groups_against_one_process(tmp_path, lighthouse, ranks=ranks, zero=zero)
     for x, y, ref_row in zip(rows0, rows1, rows_ref, strict=True):
         assert x["participants"] == y["participants"] == 2
         if ranks == 1:  # the row holds rank 0's loss; with one rank per group, each group read half the batch
@@ -178,20 +184,8 @@ def test_killed_group_is_dropped_then_heals(tmp_path: Path, lighthouse: str, ran
 def test_diloco_every_step_with_a_plain_outer_step_is_synchronous_data_parallelism(tmp_path: Path, lighthouse: str) -> None:
     """H=1, outer SGD with lr 1 and no momentum, inner SGD with momentum (linear in the gradient): each step's
     average of the groups' updates is the update of the averaged gradient, so the run is the one-process run."""
-    groups = Groups(tmp_path, lighthouse)
     diloco = ("--diloco-every", "1", "--outer-lr", "1.0", "--outer-momentum", "0.0")
-    try:
-        g0 = groups.start("0", "--steps", "6", "--wait-ready", "1_run", *diloco)
-        g1 = groups.start("1", "--steps", "6", "--wait-ready", "0_run", *diloco)
-        ref = groups.start("ref", "--steps", "6", "--batch", "32", torchft=False)
-        assert [groups.wait(p) for p in (g0, g1, ref)] == [0, 0, 0], groups.logs()
-    finally:
-        groups.close()
-    a, b, r = (_weights(tmp_path / f"{g}_run.pt") for g in ("0", "1", "ref"))
-    for k in r:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
-        torch.testing.assert_close(a[k], r[k], rtol=1e-5, atol=1e-5)
-    rows0 = _rows(tmp_path / "0_run.jsonl")
+    rows0, _, _ = _two_groups_against_one_process(tmp_path, lighthouse, *diloco)
     # torchft counts committed quorums: the one before the first step, then one sync per step.
     assert [r["step"] for r in rows0] == list(range(2, 8)) and all(r["participants"] == 2 for r in rows0)
 
