@@ -20,15 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from torchft import Manager
     from torchft.local_sgd import DiLoCo
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
 
 __all__ = ["DATA_PARALLEL_SYNC", "DiLoCoConfig", "check_data_parallel_sync", "start_diloco"]
 
@@ -73,15 +68,15 @@ def check_data_parallel_sync(a: dict[str, Any]) -> DiLoCoConfig | None:
 
 def start_diloco(manager: Manager, model: nn.Module, inner: torch.optim.Optimizer, config: DiLoCoConfig) -> DiLoCo:
     """torchft's DiLoCo over the whole model as one fragment, its hooks on ``inner``: entered, ready to train."""
-    from torchft.local_sgd import DiLoCo
+    from torchft.local_sgd import DiLoCo, extract_local_tensor
 
     # One quorum before the first inner step, with torchft's step-0 weight sync turned off (ReplicaGroups): a
     # group fetching another's state there races the other's next steps. The groups must start from the same
     # weights instead (one seed, or one checkpoint), which an average of two checksums checks here.
     manager.start_quorum()
     with torch.no_grad():
-        mine = torch.stack([sum((_local(p).double().sum() for p in model.parameters()), torch.zeros((), dtype=torch.float64)),
-                            sum((_local(p).double().square().sum() for p in model.parameters()), torch.zeros((), dtype=torch.float64))])
+        shards = [extract_local_tensor(p).double() for p in model.parameters()]
+        mine = torch.stack([sum(t.sum() for t in shards), sum(t.square().sum() for t in shards)])
         mean = mine.clone()
         manager.allreduce(mean).wait()
     if not manager.should_commit() or manager.current_step() != 1:
