@@ -161,7 +161,8 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
         # Lightning resumes a started epoch without calling on_train_epoch_start, so the restored
         # position goes into the sampler here, before the first batch of the resumed run is drawn.
         sampler = self._sampler(trainer)
-        expected = trainer.strategy.distributed_sampler_kwargs if trainer.world_size > 1 else {"num_replicas": 1, "rank": 0}
+        # Any strategy that deals data says how (replica groups on torchft do so with one rank per group too).
+        expected = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
         if sampler is not None and (sampler.num_replicas, sampler.rank) != (expected["num_replicas"], expected["rank"]):
             raise ValueError(
                 f"ResumableDistributedSampler(num_replicas={sampler.num_replicas}, rank={sampler.rank}) does not match the"

@@ -100,9 +100,10 @@ class CommitOnQuorum(torch.optim.Optimizer):
     """torchft's ``OptimizerWrapper`` reordered for Lightning: the quorum starts before the closure (Lightning
     zeroes gradients inside the closure, after the forward), and the wrapped optimizer steps only on commit."""
 
-    def __init__(self, manager: Manager, optimizer: torch.optim.Optimizer, on_decided: Callable[[bool], None]) -> None:
+    def __init__(self, manager: Manager, optimizer: torch.optim.Optimizer, on_decided: Callable[[bool], None],
+                 lighthouse: str = "") -> None:
         # Not Optimizer.__init__: every field is the wrapped optimizer's (the LR scheduler holds that one).
-        self.manager, self.optim, self._on_decided = manager, optimizer, on_decided
+        self.manager, self.optim, self._on_decided, self._lighthouse = manager, optimizer, on_decided, lighthouse
         self._optimizer = optimizer  # what checkpoint code unwraps to
 
     @property
@@ -130,7 +131,17 @@ class CommitOnQuorum(torch.optim.Optimizer):
         self.optim.zero_grad(set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except TimeoutError as err:  # torchft's own message is a bare RPC status
+            raise RuntimeError(
+                f"No quorum within the quorum timeout ({self.manager._quorum_timeout.total_seconds():.0f} s): the"
+                f" lighthouse at {self._lighthouse or 'TORCHFT_LIGHTHOUSE'} is down or unreachable (or never had its"
+                " --min-replicas groups). Every replica group"
+                " stops here, having committed nothing since; restart the lighthouse (`llmpar lighthouse`) and resume"
+                " the groups from their last checkpoint. The timeout is the strategy's `timeout`, or"
+                " TORCHFT_QUORUM_TIMEOUT_SEC."
+            ) from err
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -189,7 +200,8 @@ class ReplicaGroups:
         )
         self._local_sgd: Any = None  # DiLoCo: started at the first optimizer step
         if diloco is None:
-            strategy.optimizers = [CommitOnQuorum(self.manager, opt, self._decided) for opt in strategy.optimizers]
+            strategy.optimizers = [CommitOnQuorum(self.manager, opt, self._decided, env.lighthouse)
+                                   for opt in strategy.optimizers]
 
     # ------------------------------------------------------------------ data
 
@@ -210,6 +222,12 @@ class ReplicaGroups:
                 # every group the first group's weights, must meet the other groups where they start to train.
                 self._local_sgd = start_diloco(self.manager, self.strategy.model, optimizer, self.diloco)
             return closure  # gradients stay in the group; the weights are averaged every `diloco.every` steps
+        if self.manager.current_step() == 0 and self.trainer.global_step > 0:
+            # Resumed from a checkpoint: torchft counts from zero, Lightning from the checkpoint's step. The quorum
+            # heals every group from the one at the highest step, and a group's count becomes Lightning's, so it
+            # must be the checkpoint's: else a group started fresh beside it would not heal from it, and this
+            # group's step count would start again at 1.
+            self.manager.load_state_dict({"step": self.trainer.global_step, "batches_committed": 0})
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
 
         def closure_then_average() -> Any:

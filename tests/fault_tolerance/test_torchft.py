@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,11 +47,12 @@ class Groups:
     def __init__(self, out: Path, lighthouse: str, num_groups: int = 2) -> None:
         self.out, self.lighthouse, self.procs, self.num_groups = out, lighthouse, [], num_groups
 
-    def start(self, group: str, *args: str, torchft: bool = True, ranks: int = 1, zero: int = 0) -> subprocess.Popen:
+    def start(self, group: str, *args: str, torchft: bool = True, ranks: int = 1, zero: int = 0,
+              **env_overrides: str) -> subprocess.Popen:
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NUM_REPLICA_GROUPS": str(self.num_groups),
                "REPLICA_GROUP_ID": group if group.isdigit() else "0", "TORCHFT_LIGHTHOUSE": self.lighthouse,
-               "TORCHFT_TIMEOUT_SEC": "120", "TORCHFT_QUORUM_TIMEOUT_SEC": "240", "TORCHFT_CONNECT_TIMEOUT_SEC": "60"}
+               "TORCHFT_TIMEOUT_SEC": "120", "TORCHFT_QUORUM_TIMEOUT_SEC": "240", "TORCHFT_CONNECT_TIMEOUT_SEC": "60", **env_overrides}
         cmd = [sys.executable, str(WORKER), "--out", str(self.out), "--group", group, *args]
         if ranks > 1:  # a group of several ranks is one torchrun job, as users start it
             cmd[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", env["MASTER_PORT"]]
@@ -144,8 +146,13 @@ def test_two_groups_without_failures_match_one_process(tmp_path: Path, lighthous
     assert rows0[-1]["step"] == rows0[-1]["committed"] == 6
 
 
-@pytest.mark.parametrize(("ranks", "zero"), LAYOUTS)
-def test_killed_group_is_dropped_then_heals(tmp_path: Path, lighthouse: str, ranks: int, zero: int) -> None:
+@pytest.mark.parametrize(
+    ("ranks", "zero", "victims"),
+    [pytest.param(1, 0, "all", id="1rank"), pytest.param(2, 3, "all", id="2ranks-zero3"),
+     # One rank of a two-rank group dies: torchrun stops its peer, and the group is dropped and heals as a whole.
+     pytest.param(2, 3, "one", id="one-of-2ranks-zero3")],
+)
+def test_killed_group_is_dropped_then_heals(tmp_path: Path, lighthouse: str, ranks: int, zero: int, victims: str) -> None:
     steps, kill_at, hold_at = 16, 3, 7
     groups = Groups(tmp_path, lighthouse)
     try:
@@ -153,8 +160,9 @@ def test_killed_group_is_dropped_then_heals(tmp_path: Path, lighthouse: str, ran
         # so the heal happens mid-run (at the next step or, if that quorum formed without it, one of the next).
         g0 = groups.start("0", "--steps", str(steps), "--wait-ready", "1_run",
                           "--hold-at", str(hold_at), "--hold-for", "ready_1_restart", ranks=ranks, zero=zero)
-        # Every rank of group 1 kills itself with SIGKILL in the middle of the same step.
-        g1 = groups.start("1", "--steps", str(steps), "--wait-ready", "0_run", "--kill-at", str(kill_at),
+        # Every rank of group 1 (or its rank 1 alone) kills itself with SIGKILL in the middle of the same step.
+        one = ["--kill-rank", "1"] if victims == "one" else []
+        g1 = groups.start("1", "--steps", str(steps), "--wait-ready", "0_run", "--kill-at", str(kill_at), *one,
                           ranks=ranks, zero=zero)
         assert groups.wait(g1) == (-signal.SIGKILL if ranks == 1 else 1), groups.logs()  # torchrun reports 1
         g1 = groups.start("1", "--steps", str(steps), "--tag", "restart", ranks=ranks, zero=zero)
@@ -236,3 +244,69 @@ def test_three_groups_match_one_process_and_two_survive_a_third(tmp_path: Path, 
     a, b = _weights(tmp_path / "0_run.pt"), _weights(tmp_path / "1_run.pt")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+QUORUM_TIMEOUT = 20  # seconds a group waits for a quorum (TORCHFT_QUORUM_TIMEOUT_SEC; the strategy's `timeout`)
+
+
+def _lighthouse() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_llmpar.cli", "lighthouse", "--port", str(port),
+                             "--heartbeat-timeout-ms", "3000"], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert "TORCHFT_LIGHTHOUSE=" in proc.stdout.readline()
+    return proc, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("resumed", ["both", "one"])
+def test_a_dead_lighthouse_stops_every_group_and_checkpoints_carry_the_run_on(tmp_path: Path, resumed: str) -> None:
+    """Without the lighthouse no quorum can form. Each group must stop with an error that says so (neither hang
+    nor loop over discarded steps) and commit no step after the lighthouse died. Checkpoints are the backstop:
+    with a new lighthouse, both groups resume from their last FaultTolerantCheckpoint and end where one process
+    training on every group's batches ends; or one resumes and the other, started afresh, heals from it."""
+    steps, hold_at = 8, 3
+    lighthouse, address = _lighthouse()
+    groups = Groups(tmp_path, address)
+    timeout = {"TORCHFT_QUORUM_TIMEOUT_SEC": str(QUORUM_TIMEOUT)}
+    try:
+        procs = [groups.start(g, "--steps", str(steps), "--wait-ready", f"{other}_run", "--checkpoint-every",
+                              str(hold_at), "--hold-at", str(hold_at), "--hold-for", "lighthouse_down", **timeout)
+                 for g, other in (("0", "1"), ("1", "0"))]
+        ref = groups.start("ref", "--steps", str(steps), "--batch", str(16 * 2), torchft=False)
+        deadline = time.monotonic() + TIMEOUT
+        while not all((tmp_path / f"held_{g}_run_0").exists() for g in "01"):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), groups.logs()
+            time.sleep(0.1)
+        lighthouse.kill()  # as a lost host would: no goodbye, open connections reset
+        lighthouse.wait(timeout=60)
+        down = time.monotonic()
+        (tmp_path / "lighthouse_down").touch()
+        codes = [groups.wait(p) for p in procs]
+        stopped_after = time.monotonic() - down
+        assert codes == [1, 1], groups.logs()
+        assert stopped_after < QUORUM_TIMEOUT + 60, groups.logs()  # the quorum timeout, and Python's exit
+        for log in ("0_0.log", "1_1.log"):  # the error names what failed and the way back
+            assert f"the lighthouse at {address} is down" in (tmp_path / log).read_text(), groups.logs()
+
+        lighthouse, groups.lighthouse = _lighthouse()
+        # A group started afresh does so without checkpoints (FaultTolerantCheckpoint refuses a fresh run into a
+        # folder holding another run's).
+        resume = ["--checkpoint-every", str(hold_at), "--resume"]
+        args = {"0": resume, "1": resume if resumed == "both" else []}
+        procs = [groups.start(g, "--steps", str(steps), "--wait-ready", f"{other}_resume", *args[g], "--tag", "resume",
+                              **timeout) for g, other in (("0", "1"), ("1", "0"))]
+        assert [groups.wait(p) for p in (*procs, ref)] == [0, 0, 0], groups.logs()
+    finally:
+        groups.close()
+        if lighthouse.poll() is None:
+            lighthouse.kill()
+    for g in "01":
+        before, after = _rows(tmp_path / f"{g}_run.jsonl"), _rows(tmp_path / f"{g}_resume.jsonl")
+        assert [r["global_step"] for r in before] == list(range(1, hold_at + 1))  # nothing after the lighthouse died
+        assert [r["global_step"] for r in after] == list(range(hold_at + 1, steps + 1))
+        assert all(r["participants"] == 2 for r in before + after)
+    a, b, r = (_weights(tmp_path / f"{g}.pt") for g in ("0_resume", "1_resume", "ref_run"))
+    for k in r:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+        if resumed == "both":  # a group started afresh reads its shard of the epoch from the start (see the docs)
+            torch.testing.assert_close(a[k], r[k], rtol=1e-5, atol=1e-5)

@@ -19,9 +19,10 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_llmpar import LLMParallelStrategy
+from lightning_llmpar.fault_tolerance import FaultTolerantCheckpoint, ResumableDistributedSampler
 
 
 class Regression(LightningModule):
@@ -41,7 +42,8 @@ class Regression(LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         # A fixed order (Lightning's own sampler would shuffle): the reference reads the same global batches.
-        sampler = DistributedSampler(self.data, shuffle=False, **self.trainer.strategy.distributed_sampler_kwargs)
+        # ResumableDistributedSampler deals as DistributedSampler does, and FaultTolerantCheckpoint saves its position.
+        sampler = ResumableDistributedSampler(self.data, shuffle=False, **self.trainer.strategy.distributed_sampler_kwargs)
         return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
 
 
@@ -59,20 +61,25 @@ class Script(Callback):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.out = args, Path(args.out)
         self._rows = (self.out / f"{args.group}_{args.tag}.jsonl").open("a")
+        self._started = False
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, idx: int) -> None:
-        # Written right before the step asks for its first quorum (the manager has heartbeated since set-up).
-        if idx == 0:
+        # Written right before the step asks for its first quorum (the manager has heartbeated since set-up); a
+        # resumed run starts at a later batch of the epoch.
+        if not self._started:
+            self._started = True
             (self.out / f"ready_{self.args.group}_{self.args.tag}").touch()
             for other in self.args.wait_ready:
                 _wait_for(self.out / f"ready_{other}", self.args.wait_timeout)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
-        if self.args.kill_at is not None and trainer.global_step == self.args.kill_at:
+        chosen = self.args.kill_rank is None or trainer.global_rank == self.args.kill_rank
+        if self.args.kill_at is not None and trainer.global_step == self.args.kill_at and chosen:
             os.kill(os.getpid(), signal.SIGKILL)  # mid-step: the forward is done, the gradient exchange is not
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int) -> None:
         if self.args.hold_at is not None and trainer.global_step == self.args.hold_at:
+            (self.out / f"held_{self.args.group}_{self.args.tag}_{trainer.global_rank}").touch()
             _wait_for(self.out / self.args.hold_for, self.args.wait_timeout)
         # Where the weights are, exactly: the groups of a DiLoCo run part between syncs and meet at each one. Every
         # rank gathers its ZeRO shards (a collective), then rank 0 writes.
@@ -109,6 +116,7 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--zero", type=int, default=0)
     p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--kill-rank", type=int, default=None, help="only this rank of the group dies (default: every rank)")
     p.add_argument("--hold-at", type=int, default=None)
     p.add_argument("--hold-for", default="")
     p.add_argument("--wait-ready", nargs="*", default=[])
@@ -116,17 +124,22 @@ def main() -> None:
     p.add_argument("--diloco-every", type=int, default=None)
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--checkpoint-every", type=int, default=None, help="FaultTolerantCheckpoint into <out>/ckpt_<group>")
+    p.add_argument("--resume", action="store_true", help="fit(ckpt_path='last') from those checkpoints")
     args = p.parse_args()
     seed_everything(0)
     diloco = {"data_parallel_sync": "diloco", "diloco_every": args.diloco_every, "diloco_outer_lr": args.outer_lr,
               "diloco_outer_momentum": args.outer_momentum} if args.diloco_every else {}
     strategy = LLMParallelStrategy(zero_stage=args.zero, fault_tolerance="torchft" if args.torchft else None, **diloco)
+    callbacks: list[Callback] = [Script(args)]
+    if args.checkpoint_every:
+        callbacks.append(FaultTolerantCheckpoint(str(Path(args.out) / f"ckpt_{args.group}"), args.checkpoint_every))
     trainer = Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps, use_distributed_sampler=False,
-        callbacks=[Script(args)], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        callbacks=callbacks, logger=False, enable_checkpointing=bool(args.checkpoint_every), enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Regression(args.batch))
+    trainer.fit(Regression(args.batch), ckpt_path="last" if args.resume else None)
 
 
 if __name__ == "__main__":
