@@ -17,7 +17,7 @@ from lightning_llmpar.planner.candidate import Candidate, in_flight
 from lightning_llmpar.planner.cluster import Precision
 from lightning_llmpar.planner.spec import ModelSpec
 
-__all__ = ["MemoryEstimate", "activation_elements", "predict_memory"]
+__all__ = ["MemoryEstimate", "activation_elements", "predict_memory", "ring_attention_backward_bytes"]
 
 FP32 = 4
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
@@ -66,6 +66,25 @@ def activation_elements(spec: ModelSpec, c: Candidate, mode: str) -> float:
     # Experts, their dispatched copies and the router's logits; or the one MLP.
     mlp = spec.top_k * (4 * f / tp + 2 * h) + spec.n_expert if spec.n_expert else 4 * f / tp
     return norms + attention + mlp
+
+
+def ring_attention_backward_bytes(spec: ModelSpec, c: Candidate, tokens: float) -> float:
+    """What torch's ring attention (``context_parallel``) holds at once in one layer's backward beyond the flash
+    kernel's inputs, counted from its implementation (all-gather rotation, fp32 accumulation, round-robin load
+    balance); zero without context parallelism. Per token, in units of the attention width on this rank (grouped
+    key/value heads are repeated to the query heads before SDPA, as Llama code does):
+
+    - 4 x cp: every context-parallel rank's key and value shard, gathered at once (bf16);
+    - 4: contiguous copies of the local key and value (bf16);
+    - 24: the fp32 key/value gradient received from the previous rank, the new one a chunk update builds from it,
+      and the copy concatenated to send on;
+    - 8: the fp32 query gradient and the new one a chunk update builds;
+    - 6: the kernel's query, key and value gradients of the step (bf16).
+    """
+    if c.cp == 1:
+        return 0.0
+    width = spec.hidden / c.tp
+    return tokens * width * (4 * c.cp + 4 + 24 + 8 + 6)
 
 
 def _local_params(spec: ModelSpec, c: Candidate, rank: int) -> tuple[float, float]:
@@ -126,7 +145,8 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     # and a checkpointed layer first recomputes what it did not keep. Under torch's pipeline schedules a rank was
     # measured to hold about one layer-microbatch beyond the schedule's in-flight count.
     mlp_width = spec.ffn_hidden * (spec.top_k if spec.n_expert else 1) / c.tp
-    working = 2 * tokens * mlp_width * p.act_bytes
+    # Attention's backward runs after the MLP's, so the larger of the two working sets counts.
+    working = max(2 * tokens * mlp_width * p.act_bytes, ring_attention_backward_bytes(spec, c, tokens))
     if c.checkpointing != "none":
         working += layer("none") - layer(c.checkpointing)
     if c.pp > 1:
