@@ -134,8 +134,9 @@ class CommitOnQuorum(torch.optim.Optimizer):
         try:
             self.manager.start_quorum()
         except TimeoutError as err:  # torchft's own message is a bare RPC status
+            waited = getattr(self.manager, "_quorum_timeout", None)
             raise RuntimeError(
-                f"No quorum within the quorum timeout ({self.manager._quorum_timeout.total_seconds():.0f} s): the"
+                f"No quorum within the quorum timeout{f' ({waited.total_seconds():.0f} s)' if waited else ''}: the"
                 f" lighthouse at {self._lighthouse or 'TORCHFT_LIGHTHOUSE'} is down or unreachable (or never had its"
                 " --min-replicas groups). Every replica group"
                 " stops here, having committed nothing since; restart the lighthouse (`llmpar lighthouse`) and resume"
