@@ -101,7 +101,7 @@ class CommitOnQuorum(torch.optim.Optimizer):
     zeroes gradients inside the closure, after the forward), and the wrapped optimizer steps only on commit."""
 
     def __init__(self, manager: Manager, optimizer: torch.optim.Optimizer, on_decided: Callable[[bool], None],
-                 lighthouse: str = "") -> None:
+                 lighthouse: str) -> None:
         # Not Optimizer.__init__: every field is the wrapped optimizer's (the LR scheduler holds that one).
         self.manager, self.optim, self._on_decided, self._lighthouse = manager, optimizer, on_decided, lighthouse
         self._optimizer = optimizer  # what checkpoint code unwraps to
@@ -137,7 +137,7 @@ class CommitOnQuorum(torch.optim.Optimizer):
             waited = getattr(self.manager, "_quorum_timeout", None)
             raise RuntimeError(
                 f"No quorum within the quorum timeout{f' ({waited.total_seconds():.0f} s)' if waited else ''}: the"
-                f" lighthouse at {self._lighthouse or 'TORCHFT_LIGHTHOUSE'} is down or unreachable (or never had its"
+                f" lighthouse at {self._lighthouse} is down or unreachable (or never had its"
                 " --min-replicas groups). Every replica group"
                 " stops here, having committed nothing since; restart the lighthouse (`llmpar lighthouse`) and resume"
                 " the groups from their last checkpoint. The timeout is the strategy's `timeout`, or"
@@ -204,6 +204,14 @@ class ReplicaGroups:
             strategy.optimizers = [CommitOnQuorum(self.manager, opt, self._decided, env.lighthouse)
                                    for opt in strategy.optimizers]
 
+    def on_train_start(self) -> None:
+        """After a checkpoint is restored. torchft counts committed steps from zero, Lightning from the checkpoint's
+        step; the quorum heals every group from the one at the highest step, and ``_decided`` makes a group's count
+        Lightning's. So torchft's count starts at the checkpoint's: else a group started afresh beside a resumed
+        one would not heal from it, and the resumed group's step count would start again at 1."""
+        if self.diloco is None and self.trainer.global_step:
+            self.manager.load_state_dict({"step": self.trainer.global_step, "batches_committed": 0})
+
     # ------------------------------------------------------------------ data
 
     def sampler_kwargs(self, within_group: dict[str, Any]) -> dict[str, Any]:
@@ -223,12 +231,6 @@ class ReplicaGroups:
                 # every group the first group's weights, must meet the other groups where they start to train.
                 self._local_sgd = start_diloco(self.manager, self.strategy.model, optimizer, self.diloco)
             return closure  # gradients stay in the group; the weights are averaged every `diloco.every` steps
-        if self.manager.current_step() == 0 and self.trainer.global_step > 0:
-            # Resumed from a checkpoint: torchft counts from zero, Lightning from the checkpoint's step. The quorum
-            # heals every group from the one at the highest step, and a group's count becomes Lightning's, so it
-            # must be the checkpoint's: else a group started fresh beside it would not heal from it, and this
-            # group's step count would start again at 1.
-            self.manager.load_state_dict({"step": self.trainer.global_step, "batches_committed": 0})
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
 
         def closure_then_average() -> Any:

@@ -356,6 +356,8 @@ class LLMParallelStrategy(CheckpointingStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        if self._replicas is not None:
+            self._replicas.on_train_start()
         if self._runner is not None:
             check_train_batches(self._runner, self.pipeline, train_batch_sizes(self.lightning_module.trainer))
 
