@@ -95,24 +95,14 @@ def _in_namespace(g: int, argv: list[str]) -> list[str]:
 
 def worker(args: argparse.Namespace) -> None:
     import torch
-    from lightning.pytorch import Callback, Trainer, seed_everything
+    from lightning.pytorch import Trainer, seed_everything
 
+    from benchmarks.workloads import StepTimer
     from lightning_llmpar import LLMParallelStrategy
     from lightning_llmpar.data import CorpusDataModule
     from lightning_llmpar.models import GPTModule
 
     torch.set_num_threads(1)
-
-    class Steps(Callback):
-        def __init__(self) -> None:
-            self.seconds: list[float] = []
-            self._t = 0.0
-
-        def on_train_batch_start(self, *a: Any) -> None:
-            self._t = time.perf_counter()
-
-        def on_train_batch_end(self, *a: Any) -> None:
-            self.seconds.append(time.perf_counter() - self._t)
 
     class SGDModule(GPTModule):
         def configure_optimizers(self) -> Any:
@@ -122,7 +112,7 @@ def worker(args: argparse.Namespace) -> None:
     data = CorpusDataModule(block_size=MODEL["block_size"], batch_size=8)
     cls = SGDModule if args.inner == "sgd" else GPTModule  # GPTModule: AdamW with warmup and cosine decay
     module = cls(learning_rate=3e-3, warmup_steps=10, total_steps=args.steps, **MODEL)
-    steps = Steps()
+    steps = StepTimer()
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                       num_sanity_val_steps=0, callbacks=[steps],
@@ -136,9 +126,9 @@ def worker(args: argparse.Namespace) -> None:
                 break
             logits = module(x)
             losses.append(float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())))
-    later = steps.seconds[len(steps.seconds) // 2:]
+    later = steps.times[len(steps.times) // 2:]
     weights = torch.cat([p.detach().double().flatten() for p in module.parameters()])
-    Path(args.out).write_text(json.dumps({"steps": len(steps.seconds), "mean_step_s": statistics.fmean(later),
+    Path(args.out).write_text(json.dumps({"steps": len(steps.times), "mean_step_s": statistics.fmean(later),
                                           "val_loss": sum(losses) / len(losses),
                                           "weights_sum_and_norm": [float(weights.sum()), float(weights.norm())]}))
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
+from benchmarks.workloads import StepTimer
 from lightning_llmpar.launch import run_ranks
 
 OUT = Path(__file__).parent / "results" / "hf.json"
@@ -99,24 +100,12 @@ def load_sharded(path: str, kwargs: dict[str, Any]) -> dict[str, float]:
     return {**probe.report, "rss_before_mb": before}
 
 
-class _Timer(Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._t = 0.0
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._t = time.perf_counter()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.times.append(time.perf_counter() - self._t)
-
-
 def train_speed(path: str, kwargs: dict[str, Any] | None, steps: int, batch: int, seq: int) -> dict[str, float]:
     from lightning_llmpar import LLMParallelStrategy
     from lightning_llmpar.data import CorpusDataModule
 
     seed_everything(0, verbose=False)
-    timer = _Timer()
+    timer = StepTimer()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(2 if kwargs is None else 1)  # the same two cores in every layout
     trainer = Trainer(accelerator="cpu", devices=1 if kwargs is None else world, max_steps=steps, logger=False,

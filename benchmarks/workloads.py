@@ -1,14 +1,18 @@
-"""Data the benchmarks train on: fixed random token windows, dealt to data-parallel ranks in a fixed order."""
+"""What the benchmarks share: fixed random token windows dealt to data-parallel ranks in a fixed order, and a
+step timer."""
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import torch
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch import Callback, LightningDataModule
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_llmpar.data import ordered_loader
 
-__all__ = ["TokenData"]
+__all__ = ["StepTimer", "TokenData"]
 
 
 class TokenData(LightningDataModule):
@@ -23,3 +27,17 @@ class TokenData(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return ordered_loader(self.data, self.batch_size, self.trainer.strategy)
+
+
+class StepTimer(Callback):
+    """Wall seconds of each training batch, from its start to its end (``times``)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._t = 0.0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._t = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.times.append(time.perf_counter() - self._t)
