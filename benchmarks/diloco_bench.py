@@ -76,7 +76,8 @@ def _remove_link() -> None:
         hosts = Path("/etc/netns", ns, "hosts")
         if hosts.exists() and HOSTS[0] in hosts.read_text():  # only the file this benchmark writes
             hosts.unlink()
-            hosts.parent.rmdir()
+            if not any(hosts.parent.iterdir()):  # the folder too, if nothing else is in it
+                hosts.parent.rmdir()
 
 
 def _tx_bytes() -> int:
