@@ -118,14 +118,14 @@ LAYOUTS = [pytest.param(1, 0, id="1rank"), pytest.param(2, 3, id="2ranks-zero3")
 
 
 def _two_groups_against_one_process(tmp_path: Path, lighthouse: str, *args: str, ranks: int = 1,
-                                    zero: int = 0) -> tuple[list[dict], ...]:
+                                    zero: int = 0, model: str = "regression") -> tuple[list[dict], ...]:
     """Run two groups (``args`` added to each) and one process reading every rank's batch of every group at once,
     6 steps; the groups end bitwise equal and within fp32 1e-5 of the one process. Returns each run's rows."""
     groups = Groups(tmp_path, lighthouse)
     try:
-        g0 = groups.start("0", "--steps", "6", "--wait-ready", "1_run", *args, ranks=ranks, zero=zero)
-        g1 = groups.start("1", "--steps", "6", "--wait-ready", "0_run", *args, ranks=ranks, zero=zero)
-        ref = groups.start("ref", "--steps", "6", "--batch", str(16 * 2 * ranks), torchft=False)
+        g0 = groups.start("0", "--steps", "6", "--model", model, "--wait-ready", "1_run", *args, ranks=ranks, zero=zero)
+        g1 = groups.start("1", "--steps", "6", "--model", model, "--wait-ready", "0_run", *args, ranks=ranks, zero=zero)
+        ref = groups.start("ref", "--steps", "6", "--model", model, "--batch", str(16 * 2 * ranks), torchft=False)
         assert [groups.wait(p) for p in (g0, g1, ref)] == [0, 0, 0], groups.logs()
     finally:
         groups.close()
@@ -187,6 +187,18 @@ def test_killed_group_is_dropped_then_heals(tmp_path: Path, lighthouse: str, ran
     a, b = _weights(tmp_path / "0_run.pt"), _weights(tmp_path / "1_restart.pt")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_two_groups_match_one_process_on_a_tied_hf_llama_with_a_frozen_norm(tmp_path: Path, lighthouse: str) -> None:
+    """A transformers Llama (tied embeddings, the final norm frozen, dict batches with labels): the groups' mean loss
+    is the one-process loss of the whole batch at every step, and the frozen norm stays as it was built."""
+    rows0, rows1, rows_ref = _two_groups_against_one_process(tmp_path, lighthouse, model="llama_tied")
+    for x, y, ref_row in zip(rows0, rows1, rows_ref, strict=True):
+        assert x["participants"] == y["participants"] == 2
+        assert abs((x["loss"] + y["loss"]) / 2 - ref_row["loss"]) < 1e-5
+    weights = _weights(tmp_path / "0_run.pt")
+    assert torch.equal(weights["model.model.norm.weight"], torch.ones(32))
+    assert torch.equal(weights["model.lm_head.weight"], weights["model.model.embed_tokens.weight"])
 
 
 def test_diloco_every_step_with_a_plain_outer_step_is_synchronous_data_parallelism(tmp_path: Path, lighthouse: str) -> None:

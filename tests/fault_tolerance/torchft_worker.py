@@ -47,6 +47,28 @@ class Regression(LightningModule):
         return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler)
 
 
+class TiedLlama(Regression):
+    """A transformers Llama built small from a config: tied embeddings, a frozen final norm, dict batches."""
+
+    def __init__(self, batch_size: int) -> None:
+        LightningModule.__init__(self)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=True)
+        self.model = LlamaForCausalLM(cfg)
+        self.model.model.norm.weight.requires_grad_(False)
+        self.batch_size = batch_size
+        tokens = torch.randint(0, 64, (1024, 16), generator=torch.Generator().manual_seed(7))
+        self.data = [{"input_ids": t, "labels": t} for t in tokens]
+
+    def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+
+MODELS = {"regression": Regression, "llama_tied": TiedLlama}
+
+
 def _wait_for(path: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -126,6 +148,7 @@ def main() -> None:
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--checkpoint-every", type=int, default=None, help="FaultTolerantCheckpoint into <out>/ckpt_<group>")
     p.add_argument("--resume", action="store_true", help="fit(ckpt_path='last') from those checkpoints")
+    p.add_argument("--model", choices=list(MODELS), default="regression")
     args = p.parse_args()
     seed_everything(0)
     diloco = {"data_parallel_sync": "diloco", "diloco_every": args.diloco_every, "diloco_outer_lr": args.outer_lr,
@@ -139,7 +162,7 @@ def main() -> None:
         callbacks=callbacks, logger=False, enable_checkpointing=bool(args.checkpoint_every), enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(Regression(args.batch), ckpt_path="last" if args.resume else None)
+    trainer.fit(MODELS[args.model](args.batch), ckpt_path="last" if args.resume else None)
 
 
 if __name__ == "__main__":
