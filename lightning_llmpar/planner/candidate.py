@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["CHECKPOINTING", "Candidate", "in_flight"]
+__all__ = ["CHECKPOINTING", "Candidate", "in_flight", "schedule_actions"]
 
 # "selective" keeps the attention kernel's output (this project's default save policy); "selective_op" is
 # torchtitan's op policy (every odd matmul's output and the attention output); "every_2" recomputes every
@@ -38,6 +38,9 @@ class Candidate:
     async_tp: bool = False  # tensor-parallel collectives micro-pipelined with their matmuls
     fsdp_per_block: bool = False  # each block its own FSDP unit under a pipeline too (torchtitan), not the stage
     loss_parallel: bool = False  # the loss on vocabulary-sharded logits (torchtitan's default under TP)
+    # The pipeline's last stage keeps every microbatch's output (the logits) until the step ends: torch's schedules
+    # did before ``step(return_outputs=False)`` (torchtitan's 2024 runs); this strategy's pipeline does not.
+    keeps_outputs: bool = False
 
     @property
     def float8_all_gather(self) -> bool:
@@ -89,6 +92,34 @@ def in_flight(c: Candidate, rank: int) -> int:
         return n
     if c.schedule == "1F1B":
         return min(pp - rank, n)
-    # Interleaved schedules (and the others, approximately): torch's warm-up for interleaved 1F1B.
+    return min(_warmup(c, rank) + 1, n * v)
+
+
+def _warmup(c: Candidate, rank: int) -> int:
+    """Forwards a pipeline rank runs before its first backward, as torch's schedules count them (interleaved: its
+    warm-up rule for looped schedules, also used for the others, approximately)."""
+    n, pp, v = c.microbatches, c.pp, c.virtual
+    if c.schedule == "GPipe":
+        return n
+    if c.schedule == "1F1B":
+        return min(pp - rank, n)
     per_round = n // max(1, n // pp)
-    return min((v - 1) * per_round + 2 * (pp - 1 - rank) + 1, n * v)
+    return min((v - 1) * per_round + 2 * (pp - 1 - rank), n * v)
+
+
+def schedule_actions(c: Candidate, rank: int) -> list[tuple[bool, int]]:
+    """Pipeline rank ``rank``'s forwards and backwards in the order torch's schedule runs them, as (forward?, local
+    stage); without a pipeline, each accumulated microbatch's forward then backward. After the warm-up's forwards
+    come pairs of one forward and one backward, then the remaining backwards; looped schedules take rounds of
+    ``pp`` microbatches per local stage, forwards in stage order and backwards in reverse (torch's
+    ``_calculate_single_rank_operations``); 1F1B runs each backward before the next forward."""
+    n, v = c.microbatches, c.virtual
+    if c.pp == 1:
+        return [(True, 0), (False, 0)] * n
+    per_round = n // max(1, n // c.pp) if v > 1 else n
+    warmup = _warmup(c, rank)
+    forwards = [(True, (k // per_round) % v) for k in range(n * v)]
+    backwards = [(False, v - 1 - (k // per_round) % v) for k in range(n * v)]
+    # 1F1B (one stage per rank) runs each backward before the next forward; looped schedules the forward first.
+    pairs = zip(backwards, forwards[warmup:]) if c.schedule == "1F1B" else zip(forwards[warmup:], backwards)
+    return forwards[:warmup] + [a for pair in pairs for a in pair] + backwards[n * v - warmup:]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_llmpar.data_parallel.fsdp import BUCKET_BYTES
-from lightning_llmpar.planner.candidate import Candidate, in_flight
+from lightning_llmpar.planner.candidate import Candidate, in_flight, schedule_actions
 from lightning_llmpar.planner.cluster import Precision
 from lightning_llmpar.planner.spec import ModelSpec
 
@@ -32,7 +32,7 @@ class MemoryEstimate:
     gradients: float
     optimizer: float
     activations: float
-    logits: float
+    logits: float  # the loss's fp32 logits, and the outputs a pipeline keeps to the step's end
     buffers: float
     peak: float
     rank: int  # the pipeline rank the figures are for
@@ -87,6 +87,38 @@ def ring_attention_backward_bytes(spec: ModelSpec, c: Candidate, tokens: float) 
     return tokens * width * (4 * c.cp + 4 + 24 + 8 + 6)
 
 
+def _walk_schedule(
+    actions: list[tuple[bool, int]], per_forward: float, stage_grads: float, earlier_grads: tuple[float, float],
+    loss_stage: int, loss: tuple[float, float], outputs: float = 0.0,
+) -> tuple[float, float]:
+    """The most a rank holds beyond its fixed state at the end of a forward and around a backward, walking its
+    schedule (``schedule_actions``): the activations its forwards keep (``per_forward`` each) until their backward;
+    the gradients, the larger of the earlier step's (``earlier_grads``: at forward, in backward) and the unsharded
+    ones accumulated this step (``stage_grads`` per local stage from its first backward on); and the loss's logits
+    (``loss``: at forward, in backward) while a microbatch of the model's last stage (``loss_stage``) is between its
+    forward and its backward; ``outputs`` per forward of that stage kept to the step's end. A backward frees its
+    activations as it makes its gradients, so its peak is at one end or the other."""
+    kept = unsharded = 0.0
+    open_loss = 0
+    started: set[int] = set()
+    forward_most = backward_most = 0.0
+    for forward, stage in actions:
+        if forward:
+            kept += per_forward + (outputs if stage == loss_stage else 0.0)
+            open_loss += stage == loss_stage
+            forward_most = max(forward_most, kept + max(earlier_grads[0], unsharded) + (loss[0] if open_loss else 0))
+            continue
+        before = kept + max(earlier_grads[1], unsharded) + (loss[1] if open_loss else 0)
+        if stage not in started:
+            started.add(stage)
+            unsharded += stage_grads
+        kept -= per_forward
+        open_loss -= stage == loss_stage
+        after = kept + max(earlier_grads[1], unsharded) + (loss[1] if open_loss else 0)
+        backward_most = max(backward_most, before, after)
+    return forward_most, backward_most
+
+
 def _local_params(spec: ModelSpec, c: Candidate, rank: int) -> tuple[float, float]:
     """Parameters pipeline rank ``rank`` holds (after tensor and expert splits), and its largest FSDP unit."""
     dense_matrix = spec.block_matrix_params - spec.block_expert_params
@@ -134,8 +166,9 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     # only those of earlier microbatches (pipeline, accumulation) are. DDP's buckets, which the gradients are views
     # of, are held throughout.
     grads_in_backward = grads if (c.pp > 1 or c.microbatches > 1 or ddp) else 0.0
-    if fsdp and c.zero and c.microbatches > 1:
-        grads_in_backward = local * FP32  # FSDP2 accumulates unsynced gradients unsharded (pipeline stages too)
+    # FSDP2 accumulates unsynced gradients unsharded (pipeline stages too): each local stage's from its first
+    # backward of the step on.
+    stage_grads = local * FP32 / c.virtual if fsdp and c.zero and c.microbatches > 1 else 0.0
 
     tokens = c.micro_batch * seq / c.cp
     layer = lambda mode: tokens * activation_elements(spec, c, mode) * p.act_bytes  # noqa: E731
@@ -165,18 +198,21 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
         hidden_io = tokens * spec.hidden * p.act_bytes / (c.tp if c.sequence_parallel else 1)
         buffers = receives * c.microbatches * hidden_io + 2 * in_flight(c, rank) * hidden_io
     activations = kept + working
-    # Backward frees kept activations as it makes gradients: its peak is at one end or the other.
+    # The caching allocator keeps the segments a layer's forward temporaries were carved from; the loss's logits
+    # are larger than any of them, so they take new segments and the cached ones stay reserved.
+    loss = logits + (working if cuda else 0.0)
+    outputs = tokens * vocab * p.act_bytes if c.keeps_outputs and c.pp > 1 else 0.0
+    forward_held, backward_held = _walk_schedule(
+        schedule_actions(c, rank), chunk_layers * layer(c.checkpointing), stage_grads,
+        (max(grads, grads_in_backward), grads_in_backward), c.virtual - 1 if last else -1, (loss, logits), outputs)
     # The reduction's buffer (one unit's gradient) exists only in backward.
     base = master + gathered + optimizer + buffers
-    forward_end = base + max(grads, grads_in_backward) + kept + logits
-    if cuda and logits:
-        # The caching allocator keeps the segments a layer's forward temporaries were carved from; the loss's
-        # logits are larger than any of them, so they take new segments and the cached ones stay reserved.
-        forward_end += working
-    during = max(forward_end, base + reduce_buffer + working + max(kept + logits + grads_in_backward, grads))
+    forward_end = base + forward_held
+    during = max(forward_end, base + reduce_buffer + working + max(backward_held, grads))
     # AdamW steps in place: LLMParallelStrategy runs torch's fused kernel (fused_optimizer=True), which, unlike
     # torch's GPU default foreach, makes no temporary as large as a moment.
     step = master + grads + optimizer
+    kept_outputs = outputs * c.microbatches if last else 0.0
     return MemoryEstimate(parameters=master, gathered=gathered, gradients=grads, optimizer=optimizer,
-                          activations=activations, logits=logits, buffers=buffers + reduce_buffer,
+                          activations=activations, logits=logits + kept_outputs, buffers=buffers + reduce_buffer,
                           peak=max(during, step), rank=rank)
