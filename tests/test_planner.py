@@ -233,14 +233,38 @@ def test_predictions_against_torchtitans_published_h100_runs() -> None:
     result = compare()
     assert len(result["rows"]) == 18 and result["spearman_tps"] >= 0.9 and result["spearman_memory"] >= 0.9
     assert result["max_abs_memory_error"] <= 0.15
-    # Context parallelism at 4-8 ranks (and 2 at 405B) is the known miss: torch's ring attention of late 2024
-    # ran slower than its FLOPs say. Every other row is within 15%.
+    # Context parallelism at 4 and 8 ranks on the 8B and at 8 on the 405B is the known miss: torch's ring attention
+    # of late 2024 ran slower than its FLOPs, copies and exposed transfers say. Every other row is within 15%.
     for row in result["rows"]:
-        if "CP 1" in row["label"] or "CP" not in row["label"] or (row["gpus"] == 8 and "CP 2" in row["label"]):
+        if not (row["label"].endswith(("CP 4", "CP 8")) and (row["gpus"] == 8 or row["label"].endswith("CP 8"))):
             assert abs(row["tps_error"]) <= 0.15, row
         else:
-            assert 0 < row["tps_error"] <= 0.40, row  # optimistic, never by more than 40%
+            assert 0 < row["tps_error"] <= 0.35, row  # optimistic, never by more than 35%
+        if "CP" in row["label"] and "CP 1" not in row["label"]:
             # Ring attention's backward working set (all ranks' keys and values, fp32 gradients in transit) counted:
             # without it these rows were 6-9% low.
             assert abs(row["memory_error"]) <= 0.06, row
 
+
+def test_ring_attention_waits_for_what_its_first_step_does_not_hide() -> None:
+    # torch's ring (all-gather rotation) gathers every rank's keys and values once per forward and waits after the
+    # first of cp equal steps; backward passes fp32 key/value gradients on and waits for the last at the end.
+    from lightning_llmpar.planner.spec import llama_spec
+    from lightning_llmpar.planner.speed import predict_step_time
+
+    bf16 = PRECISIONS["bf16-mixed"]
+    spec = llama_spec("8b", hidden=4096, layers=32, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256)
+    inside = cluster_from("h100-hbm2e")
+    c = Candidate(dp=4, cp=2, zero=3, checkpointing="full", micro_batch=1)
+    time = predict_step_time(spec, c, 65536, inside, bf16)
+    # Inside a node the gather hides behind the first step: only the last fp32 gradient transfer is exposed, once
+    # per layer: 32768 tokens x (keys and values: 2 x 4096, repeated to the query heads) x 4 bytes.
+    send = 32768 * 2 * 4096 * 4 / (inside.link_gbps(2) * 1e9) + inside.latency_us * 1e-6
+    assert time.context_parallel == pytest.approx(32 * send)
+    # Across nodes (tp 8 fills one) at cp 8 the gather of 7 ranks' shards outlasts the first step of forward.
+    apart = cluster_from("h100-hbm2e", nodes=8)
+    wide = Candidate(dp=1, tp=8, cp=8, zero=3, checkpointing="full", micro_batch=1)
+    exposed = predict_step_time(spec, wide, 262144, apart, bf16).context_parallel
+    gather = 7 * 32768 * 2 * 512 * 2 / (apart.link_gbps(64) * 1e9)
+    assert exposed > 32 * gather / 2 > 0
+    assert predict_step_time(spec, Candidate(dp=8, zero=3, micro_batch=1), 8192, inside, bf16).context_parallel == 0

@@ -14,7 +14,9 @@ from lightning_llmpar.planner.candidate import Candidate
 from lightning_llmpar.planner.cluster import Cluster, Precision
 from lightning_llmpar.planner.spec import ModelSpec
 
-__all__ = ["attention_flops", "elementwise_bytes", "float8_cast_bytes", "gemm_seconds", "layer_gemms"]
+__all__ = [
+    "attention_flops", "elementwise_bytes", "float8_cast_bytes", "gemm_seconds", "layer_gemms", "ring_attention_bytes",
+]
 
 # Bytes per element, forward. RMSNorm eager: x.float() (r2 w4), pow (r4 w4), mean (r4), x * rsqrt (r4 w4),
 # type_as (r4 w2), * weight (r2 w2); compiled: one kernel reading the residual stream and the branch (r2 r2) and
@@ -31,7 +33,6 @@ BACKWARD_BYTES = 2.0  # backward reads what forward wrote plus the incoming grad
 CAST_EAGER, CAST_COMPILED = 5.0, 3.0
 TRANSPOSED_CAST_EAGER, TRANSPOSED_CAST_COMPILED = 3.0, 2.0
 ROWWISE_GEMM = 0.85  # rowwise-scaled fp8 GEMMs (CUTLASS, late 2024) against tensorwise ones (cuBLAS)
-CP_MERGE = 12.0  # per ring step, context parallel rescales the running fp32 output by the new log-sum-exp
 
 
 def _shape(d: float, knee: float) -> float:
@@ -97,3 +98,28 @@ def float8_cast_bytes(spec: ModelSpec, c: Candidate, tokens: float) -> tuple[flo
         forward += weights * cast
         backward += weights * transposed
     return forward, backward
+
+
+def ring_attention_bytes(cp: int) -> tuple[float, float]:
+    """Bytes per element of a rank's attention output (its tokens x the attention width on its rank) that torch's
+    ring attention (``context_parallel``, all-gather rotation, round-robin load balance, fp32 merging) moves
+    outside its flash kernels in one layer: (forward, backward). It runs eager, between compiled graphs. Counted
+    from its code for the rank whose ring steps all use the full query (the last; the others merge half the rows
+    and copy the whole tensor, about as much):
+
+    - forward: contiguous key and value (r2 w2 each); per step, the key and value concatenated to send (r2 w2
+      each, every step but the last); per step after the first, the block output upcast to fp32 (r2 w4) and the
+      log-sum-exp merge (out - block: r4 r4 w4; times the weight: r4 w4; out - that: r4 r4 w4); the first
+      step's upcast and the result's downcast (r2 w4, r4 w2);
+    - backward: contiguous key and value again, fp32 zeroed accumulators (w4 x 3), per step the query gradient
+      added in fp32 (r4 r2 w4), the key and value gradients added into their chunk and the whole rebuilt (r4 r2 w4
+      on half, r4 w4) and concatenated to pass on (r4 w4 each), the key and value concatenated to send; at the
+      end the three gradients cast down (r4 w2 each).
+
+    Grouped key/value heads are repeated to every query head before SDPA (torchtitan's and Hugging Face's Llama,
+    and ``context_parallel_attention``), so keys and values are as wide as the queries. 0 without cp."""
+    if cp == 1:
+        return 0.0, 0.0
+    forward = 8 + 8 * (cp - 1) + 38 * (cp - 1) + 6 + 6
+    backward = 8 + 12 + 60 * (cp - 1) + 54 + 18
+    return float(forward), float(backward)

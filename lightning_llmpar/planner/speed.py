@@ -17,12 +17,12 @@ from lightning_llmpar.planner.candidate import Candidate
 from lightning_llmpar.planner.cluster import Cluster, Precision
 from lightning_llmpar.planner.kernels import (
     BACKWARD_BYTES,
-    CP_MERGE,
     attention_flops,
     elementwise_bytes,
     float8_cast_bytes,
     gemm_seconds,
     layer_gemms,
+    ring_attention_bytes,
 )
 from lightning_llmpar.planner.spec import ModelSpec
 
@@ -81,22 +81,25 @@ class _Layer:
     elementwise: float
     overhead: float
     unsaved_gemm: float  # the matmuls torchtitan's op policy recomputes (every second one)
+    ring_forward: float = 0.0  # context parallel: the ring's copies and merges outside the attention kernels
+    ring_backward: float = 0.0
 
     @property
     def forward(self) -> float:
-        return self.gemm + self.attention + self.elementwise + self.overhead
+        return self.gemm + self.attention + self.ring_forward + self.elementwise + self.overhead
 
     def recompute(self, mode: str) -> float:
         if mode == "selective_op":
             return self.unsaved_gemm + self.elementwise + self.overhead
-        return {"none": 0.0, "selective": self.forward - self.attention, "full": self.forward,
+        attention = self.attention + self.ring_forward
+        return {"none": 0.0, "selective": self.forward - attention, "full": self.forward,
                 "every_2": self.forward / 2}[mode]
 
     def train(self, mode: str, backward_bytes: float) -> float:
         # Backward: two GEMMs per forward GEMM; flash attention's backward is 2.5x its forward FLOPs at a lower
         # rate (3.5x the time); elementwise backward moves ``backward_bytes`` x forward's bytes.
-        return (3 * self.gemm + 4.5 * self.attention + (1 + backward_bytes) * self.elementwise + 3 * self.overhead
-                + self.recompute(mode))
+        return (3 * self.gemm + 4.5 * self.attention + self.ring_forward + self.ring_backward
+                + (1 + backward_bytes) * self.elementwise + 3 * self.overhead + self.recompute(mode))
 
 
 def _layer(spec: ModelSpec, c: Candidate, tokens: float, seq: int, cl: Cluster, p: Precision) -> _Layer:
@@ -117,9 +120,35 @@ def _layer(spec: ModelSpec, c: Candidate, tokens: float, seq: int, cl: Cluster, 
     else:
         moved = elementwise_bytes(spec, c) * tokens * p.act_bytes / 2
         moved += float8_cast_bytes(spec, c, tokens)[0]
-        moved += CP_MERGE * (c.cp - 1) * tokens * h / c.tp
+    ring = [b * tokens * h / c.tp * p.act_bytes / 2 / (cl.hbm_gbps * 1e9) for b in ring_attention_bytes(c.cp)]
     return _Layer(gemm=sum(times), attention=attention, elementwise=moved / (cl.hbm_gbps * 1e9),
-                  overhead=cl.layer_overhead_us * 1e-6, unsaved_gemm=times[1] + times[3] + times[5])
+                  overhead=cl.layer_overhead_us * 1e-6, unsaved_gemm=times[1] + times[3] + times[5],
+                  ring_forward=ring[0], ring_backward=ring[1])
+
+
+def _attention_recomputed(mode: str) -> float:
+    """Forward passes of attention a checkpointing mode runs again (the op policy and "selective" keep its output)."""
+    return {"full": 1.0, "every_2": 0.5}.get(mode, 0.0)
+
+
+def _ring_exposed(spec: ModelSpec, c: Candidate, tokens: float, lay: _Layer, cl: Cluster, p: Precision) -> float:
+    """Seconds of one layer's context-parallel communication that attention does not hide, on one microbatch, as
+    torch's ring runs it (all-gather rotation, its default and torchtitan's): each forward all-gathers every
+    rank's keys and values once and waits for them after the first of its ``cp`` equal steps; backward does the
+    same, and passes the fp32 key/value gradients on after each step, waiting for each during the next step and
+    for the last one at the end. Keys and values are repeated to the query heads (see ``ring_attention_bytes``)."""
+    if c.cp == 1:
+        return 0.0
+    kv = tokens * 2 * spec.hidden / c.tp  # elements of one rank's keys and values
+    bandwidth = cl.link_gbps(c.tp * c.cp) * 1e9
+    latency = cl.latency_us * 1e-6
+    gather = (c.cp - 1) * kv * p.act_bytes / bandwidth + latency
+    send = kv * 4 / bandwidth + latency  # fp32 gradients to the next rank
+    step_forward = lay.attention / c.cp
+    step_backward = 3.5 * step_forward
+    forward = max(0.0, gather - step_forward)
+    backward = max(0.0, gather - step_backward) + (c.cp - 1) * max(0.0, send - step_backward) + send
+    return forward * (1 + _attention_recomputed(c.checkpointing)) + backward
 
 
 def _tp_passes(mode: str) -> float:
@@ -154,9 +183,7 @@ def predict_step_time(spec: ModelSpec, c: Candidate, seq: int, cl: Cluster, p: P
     if c.async_tp:  # forward-shaped patterns (forward and recomputed forward) run in tp chunks; the first is exposed
         hidden = cl.async_tp_overlap * (passes - 1) / passes * (c.tp - 1) / c.tp
     tp_mb = layers * passes * per_pass * (1 - hidden)
-    kv_bytes = tokens * 2 * max(spec.n_kv_head / c.tp, 1) * spec.hidden / spec.n_head * p.act_bytes
-    cp_ring = 3 * (c.cp - 1) * kv_bytes / (cl.link_gbps(cp_span) * 1e9) if c.cp > 1 else 0.0
-    cp_mb = layers * max(0.0, cp_ring - 3.5 * lay.attention)
+    cp_mb = layers * _ring_exposed(spec, c, tokens, lay, cl, p)
     ep_mb = 0.0
     if spec.n_expert and c.ep > 1:
         routed = tokens * spec.top_k * spec.hidden * p.act_bytes
