@@ -18,7 +18,7 @@ from lightning_llmpar.planner import Candidate, model_spec, plan, predict_memory
 from lightning_llmpar.planner.candidate import in_flight, schedule_actions
 from lightning_llmpar.planner.cluster import PRECISIONS, cluster_from
 from lightning_llmpar.planner.measure import measure_layout
-from lightning_llmpar.planner.memory import _walk_schedule, ring_attention_backward_bytes
+from lightning_llmpar.planner.memory import _walk_schedule, ring_attention_backward_bytes, schedule_states
 from tests.distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,21 +114,22 @@ def test_a_pipeline_ranks_gradients_and_activations_peak_where_its_schedule_puts
     # unsharded gradients (10) while freeing its own 1: the peak is 1 + 10, never both forwards' 2 beside the 10.
     one_f_one_b = schedule_actions(Candidate(pp=2, microbatches=2, schedule="1F1B"), 0)
     assert one_f_one_b == [(True, 0), (True, 0), (False, 0), (False, 0)]
-    assert _walk_schedule(one_f_one_b, 1.0, 10.0, (0.0, 0.0), -1, (0.0, 0.0)) == (2.0, 11.0)
+    assert _walk_schedule(schedule_states(one_f_one_b, -1), 1.0, 10.0, (0.0, 0.0), (0.0, 0.0)) == (2.0, 11.0)
     # Its last rank runs each backward before the next forward, so one microbatch and the logits (5) at a time;
     # outputs the schedule keeps to the step's end (3 each) pile up.
     last = schedule_actions(Candidate(pp=2, microbatches=2, schedule="1F1B"), 1)
     assert last == [(True, 0), (False, 0), (True, 0), (False, 0)]
-    assert _walk_schedule(last, 1.0, 10.0, (0.0, 0.0), 0, (5.0, 5.0)) == (1.0 + 10 + 5, 1.0 + 10 + 5)
-    assert _walk_schedule(last, 1.0, 0.0, (0.0, 0.0), 0, (5.0, 5.0), outputs=3.0) == (4.0 + 3 + 5, 4.0 + 3 + 5)
+    walked = schedule_states(last, 0)
+    assert _walk_schedule(walked, 1.0, 10.0, (0.0, 0.0), (5.0, 5.0)) == (1.0 + 10 + 5, 1.0 + 10 + 5)
+    assert _walk_schedule(walked, 1.0, 0.0, (0.0, 0.0), (5.0, 5.0), outputs=3.0) == (1.0 + 2 * 3 + 5, 1.0 + 2 * 3 + 5)
     # Interleaved, two stages per rank: the later stage's backwards come first and free its activations before the
     # earlier stage's gradients appear, so half the gradients meet the most activations.
     looped = Candidate(pp=2, microbatches=2, schedule="Interleaved1F1B", virtual=2)
     order = schedule_actions(looped, 0)
     assert [f for f, _ in order] == [True] * 4 + [False] * 4 and [s for f, s in order if not f] == [1, 1, 0, 0]
-    assert _walk_schedule(order, 1.0, 5.0, (0.0, 0.0), -1, (0.0, 0.0)) == (4.0, max(3 + 5, 1 + 10))
+    assert _walk_schedule(schedule_states(order, -1), 1.0, 5.0, (0.0, 0.0), (0.0, 0.0)) == (4.0, max(3 + 5, 1 + 10))
     # Earlier steps' gradients (the floor) count where this step's unsharded ones are smaller.
-    assert _walk_schedule(one_f_one_b, 1.0, 0.0, (4.0, 3.0), -1, (0.0, 0.0)) == (2.0 + 4, 2.0 + 3)
+    assert _walk_schedule(schedule_states(one_f_one_b, -1), 1.0, 0.0, (4.0, 3.0), (0.0, 0.0)) == (2.0 + 4, 2.0 + 3)
 
 
 def _measure(layouts: list[Candidate], model: dict, seq: int) -> list[int]:

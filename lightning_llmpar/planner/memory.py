@@ -11,6 +11,7 @@ step it holds parameters, gradients, moments and the step's temporaries.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from lightning_llmpar.data_parallel.fsdp import BUCKET_BYTES
 from lightning_llmpar.planner.candidate import Candidate, in_flight, schedule_actions
@@ -87,36 +88,70 @@ def ring_attention_backward_bytes(spec: ModelSpec, c: Candidate, tokens: float) 
     return tokens * width * (4 * c.cp + 4 + 24 + 8 + 6)
 
 
-def _walk_schedule(
-    actions: list[tuple[bool, int]], per_forward: float, stage_grads: float, earlier_grads: tuple[float, float],
-    loss_stage: int, loss: tuple[float, float], outputs: float = 0.0,
-) -> tuple[float, float]:
-    """The most a rank holds beyond its fixed state at the end of a forward and around a backward, walking its
-    schedule (``schedule_actions``): the activations its forwards keep (``per_forward`` each) until their backward;
-    the gradients, the larger of the earlier step's (``earlier_grads``: at forward, in backward) and the unsharded
-    ones accumulated this step (``stage_grads`` per local stage from its first backward on); and the loss's logits
-    (``loss``: at forward, in backward) while a microbatch of the model's last stage (``loss_stage``) is between its
-    forward and its backward; ``outputs`` per forward of that stage kept to the step's end. A backward frees its
-    activations as it makes its gradients, so its peak is at one end or the other."""
-    kept = unsharded = 0.0
-    open_loss = 0
+# A moment of a rank's schedule, as counts: forwards whose activations are kept, local stages whose backward has
+# begun this step, whether a last-stage microbatch is between its forward and backward (0/1), outputs kept.
+State = tuple[int, int, int, int]
+
+
+def _frontier(states: set[State]) -> tuple[State, ...]:
+    """The states no other one equals or exceeds in every count (every term of memory grows with each count)."""
+    best: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for kept, started, loss, outputs in states:
+        best.setdefault((started, loss), []).append((kept, outputs))
+    candidates = []
+    for (started, loss), pairs in best.items():
+        most_outputs = -1
+        for kept, outputs in sorted(pairs, reverse=True):  # most kept first: keep only those with more outputs
+            if outputs > most_outputs:
+                candidates.append((kept, started, loss, outputs))
+                most_outputs = outputs
+    return tuple(s for s in candidates
+                 if not any(o != s and all(x >= y for x, y in zip(o, s, strict=True)) for o in candidates))
+
+
+def schedule_states(actions: list[tuple[bool, int]], loss_stage: int) -> tuple[tuple[State, ...], tuple[State, ...]]:
+    """Walk a rank's schedule (``schedule_actions``): the states at the end of each forward, and at both ends of
+    each backward (which frees its activations as it makes its gradients, so its peak is at one end or the
+    other). ``loss_stage``: the local stage that is the model's last, or -1."""
+    kept = loss = outputs = 0
     started: set[int] = set()
-    forward_most = backward_most = 0.0
+    at_forward: set[State] = set()
+    in_backward: set[State] = set()
     for forward, stage in actions:
+        last = int(stage == loss_stage)
         if forward:
-            kept += per_forward + (outputs if stage == loss_stage else 0.0)
-            open_loss += stage == loss_stage
-            forward_most = max(forward_most, kept + max(earlier_grads[0], unsharded) + (loss[0] if open_loss else 0))
+            kept, loss, outputs = kept + 1, loss + last, outputs + last
+            at_forward.add((kept, len(started), min(loss, 1), outputs))
             continue
-        before = kept + max(earlier_grads[1], unsharded) + (loss[1] if open_loss else 0)
-        if stage not in started:
-            started.add(stage)
-            unsharded += stage_grads
-        kept -= per_forward
-        open_loss -= stage == loss_stage
-        after = kept + max(earlier_grads[1], unsharded) + (loss[1] if open_loss else 0)
-        backward_most = max(backward_most, before, after)
-    return forward_most, backward_most
+        in_backward.add((kept, len(started), min(loss, 1), outputs))
+        started.add(stage)
+        kept, loss = kept - 1, loss - last
+        in_backward.add((kept, len(started), min(loss, 1), outputs))
+    return _frontier(at_forward), _frontier(in_backward)
+
+
+@lru_cache(maxsize=4096)
+def _states(pp: int, microbatches: int, virtual: int, schedule: str, rank: int, loss_stage: int) -> tuple[
+        tuple[State, ...], tuple[State, ...]]:
+    c = Candidate(pp=pp, microbatches=microbatches, virtual=virtual, schedule=schedule)
+    return schedule_states(schedule_actions(c, rank), loss_stage)
+
+
+def _walk_schedule(
+    states: tuple[tuple[State, ...], tuple[State, ...]], per_forward: float, stage_grads: float,
+    earlier_grads: tuple[float, float], loss: tuple[float, float], outputs: float = 0.0,
+) -> tuple[float, float]:
+    """The most a rank holds beyond its fixed state at the end of a forward and around a backward: the activations
+    its forwards keep (``per_forward`` each) until their backward; the gradients, the larger of the earlier step's
+    (``earlier_grads``: at forward, in backward) and the unsharded ones accumulated this step (``stage_grads`` per
+    local stage from its first backward on); the loss's logits (``loss``: at forward, in backward) while a
+    last-stage microbatch is between its forward and backward; and ``outputs`` per last-stage forward kept to
+    the step's end."""
+    def most(moments: tuple[State, ...], earlier: float, logits: float) -> float:
+        return max((kept * per_forward + max(earlier, started * stage_grads) + loss_open * logits + kept_out * outputs
+                    for kept, started, loss_open, kept_out in moments), default=0.0)
+
+    return most(states[0], earlier_grads[0], loss[0]), most(states[1], earlier_grads[1], loss[1])
 
 
 def _local_params(spec: ModelSpec, c: Candidate, rank: int) -> tuple[float, float]:
@@ -202,9 +237,10 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     # are larger than any of them, so they take new segments and the cached ones stay reserved.
     loss = logits + (working if cuda else 0.0)
     outputs = tokens * vocab * p.act_bytes if c.keeps_outputs and c.pp > 1 else 0.0
+    states = _states(c.pp, c.microbatches, c.virtual, c.schedule, rank, c.virtual - 1 if last else -1)
     forward_held, backward_held = _walk_schedule(
-        schedule_actions(c, rank), chunk_layers * layer(c.checkpointing), stage_grads,
-        (max(grads, grads_in_backward), grads_in_backward), c.virtual - 1 if last else -1, (loss, logits), outputs)
+        states, chunk_layers * layer(c.checkpointing), stage_grads, (max(grads, grads_in_backward), grads_in_backward),
+        (loss, logits), outputs)
     # The reduction's buffer (one unit's gradient) exists only in backward.
     base = master + gathered + optimizer + buffers
     forward_end = base + forward_held
