@@ -120,6 +120,7 @@ def _layer(spec: ModelSpec, c: Candidate, tokens: float, seq: int, cl: Cluster, 
     else:
         moved = elementwise_bytes(spec, c) * tokens * p.act_bytes / 2
         moved += float8_cast_bytes(spec, c, tokens)[0]
+    # The ring's bytes are counted for bf16 activations; full precision moves about twice as many.
     ring = [b * tokens * h / c.tp * p.act_bytes / 2 / (cl.hbm_gbps * 1e9) for b in ring_attention_bytes(c.cp)]
     return _Layer(gemm=sum(times), attention=attention, elementwise=moved / (cl.hbm_gbps * 1e9),
                   overhead=cl.layer_overhead_us * 1e-6, unsaved_gemm=times[1] + times[3] + times[5],
