@@ -111,6 +111,8 @@ FULL: list[tuple[str, str]] = [
     ("tests/test_planner.py::test_predicted_peaks_are_within_ten_percent_of_measured_ones",
      "measures eleven real layouts"),
     ("tests/cli/test_quiet_run.py::test_main_job_prints_each_warning_once", "the eight-process main job"),
+    ("tests/cli/test_quiet_run.py::test_pipeline_run_prints_each_warning_once",
+     "test_cli's pipeline run is checked for repeated warnings in the fast set"),
     ("tests/test_real_setups.py::test_lora_under_tensor_parallelism_matches_one_process",
      "LoRA on seven families at tp2 and three four-rank layouts (LoRA with clipping and under EP stays fast)"),
     # The command end to end: each run imports Lightning, transformers and torch once per process (~20-40 s). Its
