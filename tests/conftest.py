@@ -134,6 +134,8 @@ FULL: list[tuple[str, str]] = [
     ("tests/checkpointing/test_async_checkpoint.py::test_async_saves_resume_exactly_as_synchronous_saves[[]pp2]",
      "background saves at pp2 (dp2 ZeRO-3 stays fast)"),
     ("tests/fault_tolerance/test_torchft.py::*2ranks-zero3]", "replica groups of two ranks with ZeRO-3 (one rank each stays fast)"),
+    ("tests/fault_tolerance/test_torchft.py::test_two_groups_without_failures_match_one_process[[]1rank]",
+     "two one-rank groups on the example regression (the same on transformers' Llama stays fast)"),
     ("tests/fault_tolerance/test_torchft.py::test_three_groups_match_one_process_and_two_survive_a_third",
      "three replica groups, one killed (two groups, killed and healed, stay fast)"),
     ("tests/fault_tolerance/test_torchft.py::test_a_dead_lighthouse_stops_every_group_and_checkpoints_carry_the_run_on*",
