@@ -10,15 +10,14 @@ from __future__ import annotations
 import json
 import os
 import platform
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Trainer, seed_everything
 from torch.distributed.tensor import DTensor
 
-from benchmarks.workloads import TokenData
+from benchmarks.workloads import StepTimer, TokenData
 from lightning_llmpar import LLMParallelStrategy
 from lightning_llmpar.launch import run_ranks
 from lightning_llmpar.models import GPTModule
@@ -73,16 +72,15 @@ def state_bytes(*roots: Any, max_depth: int = 6) -> int:
     return total
 
 
-class _Probe(Callback):
+class _Probe(StepTimer):
+    """Step times, and the parameter and optimizer state bytes after the second step."""
+
     def __init__(self) -> None:
-        self.times: list[float] = []
+        super().__init__()
         self.state = 0
 
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._t0 = time.perf_counter()
-
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, *args: Any) -> None:
-        self.times.append(time.perf_counter() - self._t0)
+        super().on_train_batch_end(trainer, pl_module, *args)
         if trainer.global_step == 2:
             self.state = state_bytes(pl_module, trainer.optimizers, getattr(trainer.strategy, "engine", None))
 
