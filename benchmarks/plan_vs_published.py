@@ -31,8 +31,8 @@ TARGET = 0.15
 
 def candidate(row: dict[str, Any]) -> Candidate:
     """The row's layout as torchtitan ran it: FSDP2 units are blocks, resharded after forward (ZeRO-3) except
-    under a pipeline (ZeRO-2 there); the pipeline splits the local batch into ``pp`` microbatches; the loss is vocabulary-parallel
-    under tensor parallelism."""
+    under a pipeline (ZeRO-2 there); the pipeline splits the local batch into ``pp`` microbatches and the blocks by
+    torchtitan's default split; the loss is vocabulary-parallel under tensor parallelism."""
     deg = row["layout"]
     pp, microbatches = deg["pp"], row["pipeline_microbatches"]
     return Candidate(
@@ -40,7 +40,7 @@ def candidate(row: dict[str, Any]) -> Candidate:
         checkpointing=row["activation_checkpointing"], micro_batch=row["local_batch"] // microbatches,
         microbatches=microbatches, schedule=row["pipeline_schedule"], virtual=row["pipeline_virtual_stages"],
         compile=row["compile"], float8=row["float8"], async_tp=row["async_tp"], loss_parallel=deg["tp"] > 1,
-        fsdp_per_block=True, keeps_outputs=True,
+        fsdp_per_block=True, keeps_outputs=True, stage_split="torchtitan",
     )
 
 

@@ -13,6 +13,7 @@ __all__ = ["CHECKPOINTING", "Candidate", "in_flight", "schedule_actions"]
 Checkpointing = Literal["none", "selective", "full", "selective_op", "every_2"]
 CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "selective", "full")
 Float8 = Literal["tensorwise", "rowwise"]
+StageSplit = Literal["balanced", "torchtitan"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class Candidate:
     # The pipeline's last stage keeps every microbatch's output (the logits) until the step ends: torch's schedules
     # did before ``step(return_outputs=False)`` (torchtitan's 2024 runs); this strategy's pipeline does not.
     keeps_outputs: bool = False
+    # How blocks are split into pipeline stages (``planner.split``): this strategy's parameter-balanced split, or
+    # torchtitan's default, to describe its runs.
+    stage_split: StageSplit = "balanced"
 
     @property
     def float8_all_gather(self) -> bool:

@@ -17,6 +17,7 @@ from lightning_llmpar.data_parallel.fsdp import BUCKET_BYTES
 from lightning_llmpar.planner.candidate import Candidate, in_flight, schedule_actions
 from lightning_llmpar.planner.cluster import Precision
 from lightning_llmpar.planner.spec import ModelSpec
+from lightning_llmpar.planner.split import rank_blocks
 
 __all__ = ["MemoryEstimate", "activation_elements", "predict_memory", "ring_attention_backward_bytes"]
 
@@ -159,7 +160,8 @@ def _local_params(spec: ModelSpec, c: Candidate, rank: int) -> tuple[float, floa
     dense_matrix = spec.block_matrix_params - spec.block_expert_params
     block = (dense_matrix / c.tp + spec.block_expert_params / (c.tp * c.ep)
              + spec.block_params - spec.block_matrix_params)
-    layers = -(-spec.n_layer // c.pp)
+    stages = rank_blocks(spec, c, rank)
+    layers = sum(stages)
     total = layers * block
     ends = 0.0
     if rank == 0:
@@ -169,7 +171,7 @@ def _local_params(spec: ModelSpec, c: Candidate, rank: int) -> tuple[float, floa
         ends += head / c.tp + spec.other_params
     # Blocks are FSDP units without a pipeline (grouped up to 25 MiB at ZeRO 0-2); with one, each stage is a unit.
     if c.pp > 1 and not c.fsdp_per_block:
-        unit = total / c.virtual + ends
+        unit = max(stages) * block + ends
     elif c.zero < 3:
         unit = block * min(layers, max(1, BUCKET_BYTES // (block * FP32)))
     else:
@@ -207,7 +209,8 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
 
     tokens = c.micro_batch * seq / c.cp
     layer = lambda mode: tokens * activation_elements(spec, c, mode) * p.act_bytes  # noqa: E731
-    chunk_layers = -(-spec.n_layer // c.pp) / c.virtual
+    # A forward keeps one of the rank's stages' activations; where its stages differ, the walk counts their mean.
+    chunk_layers = sum(rank_blocks(spec, c, rank)) / c.virtual
     kept = chunk_layers * in_flight(c, rank) * layer(c.checkpointing)
     # While a layer's backward runs it holds its MLP's gradient temporaries (the gate's and the up projection's),
     # and a checkpointed layer first recomputes what it did not keep. Under torch's pipeline schedules a rank was

@@ -25,6 +25,7 @@ from lightning_llmpar.planner.kernels import (
     ring_attention_bytes,
 )
 from lightning_llmpar.planner.spec import ModelSpec
+from lightning_llmpar.planner.split import rank_blocks
 
 __all__ = ["TimeEstimate", "model_flops_per_token", "predict_step_time"]
 
@@ -159,15 +160,25 @@ def _tp_passes(mode: str) -> float:
 
 
 def predict_step_time(spec: ModelSpec, c: Candidate, seq: int, cl: Cluster, p: Precision) -> TimeEstimate:
+    """The step of the slowest pipeline rank (each rank's blocks as the run splits them, ``planner.split``; the
+    last one also runs the head and the loss): the others wait for it in steady state."""
+    # Ranks differ only by their blocks and by holding the first or last stage.
+    kinds = {(sum(rank_blocks(spec, c, r)), r == 0, r == c.pp - 1) for r in range(c.pp)}
+    return max((_rank_step(spec, c, seq, cl, p, *kind) for kind in kinds), key=lambda t: t.step)
+
+
+def _rank_step(spec: ModelSpec, c: Candidate, seq: int, cl: Cluster, p: Precision, layers: int, first: bool,
+               last: bool) -> TimeEstimate:
     tokens = c.micro_batch * seq / c.cp
-    layers = -(-spec.n_layer // c.pp)
     lay = _layer(spec, c, tokens, seq, cl, p)
     backward_bytes = 2.0 if cl.elementwise_passes else BACKWARD_BYTES
     layer = lay.train(c.checkpointing, backward_bytes)
     if c.float8 and not cl.elementwise_passes:
         layer += float8_cast_bytes(spec, c, tokens)[1] / (cl.hbm_gbps * 1e9)
-    head = 3 * _gemm(tokens, spec.hidden, spec.vocab / c.tp, cl, p) + 8 * tokens * spec.vocab * 4 / (cl.hbm_gbps * 1e9)
-    compute_mb = layers * layer + head  # the last stage, which also runs the head and the loss
+    head = 0.0
+    if last:  # the head's three GEMMs and the loss's passes over the fp32 logits
+        head = 3 * _gemm(tokens, spec.hidden, spec.vocab / c.tp, cl, p) + 8 * tokens * spec.vocab * 4 / (cl.hbm_gbps * 1e9)
+    compute_mb = layers * layer + head
 
     act = tokens * spec.hidden * p.act_bytes
     tp_span, cp_span = c.tp, c.tp * c.cp
@@ -203,10 +214,13 @@ def predict_step_time(spec: ModelSpec, c: Candidate, seq: int, cl: Cluster, p: P
 
     # FSDP prefetches the next unit's gather and reduces the last one's gradients while computing, so compute
     # hides up to ``comm_overlap`` of its time, all but about one unit's share (one stage's under a pipeline).
-    dp = _data_parallel(spec, c, cl, p, layers)
+    # The embedding sits on the first stage, the head (a copy when tied) on the last.
+    params = (layers * spec.block_params + first * spec.embed_params
+              + last * (spec.embed_params if spec.tied and c.pp > 1 else spec.head_params)) / c.tp
+    dp = _data_parallel(c, cl, p, params)
     units = layers + 1 if c.pp == 1 else c.virtual
     dp_exposed = max(dp / units, dp - cl.comm_overlap * ticks * compute_mb) if dp else 0.0
-    local = (layers * spec.block_params + spec.embed_params + spec.head_params) / c.tp / c.shard
+    local = params / c.shard
     optimizer = 28.0 * local / (cl.hbm_gbps * 1e9)  # read/write master and moments, read the gradient
     step = pipeline + bubble + dp_exposed + optimizer
     tokens_step = c.global_batch * seq
@@ -218,11 +232,11 @@ def predict_step_time(spec: ModelSpec, c: Candidate, seq: int, cl: Cluster, p: P
     )
 
 
-def _data_parallel(spec: ModelSpec, c: Candidate, cl: Cluster, p: Precision, layers: int) -> float:
-    """Seconds of gradient reduction and parameter gathering per optimizer step (before overlap)."""
+def _data_parallel(c: Candidate, cl: Cluster, p: Precision, local: float) -> float:
+    """Seconds of gradient reduction and parameter gathering per optimizer step (before overlap) of a rank holding
+    ``local`` parameters (after tensor parallelism)."""
     if not c.fsdp:
         return 0.0
-    local = (layers * spec.block_params + spec.embed_params + spec.head_params) / c.tp
     shard_ranks = c.shard
     replicas = c.dp_replicate if c.zero else c.dp
     inner = cl.link_gbps(shard_ranks * c.tp)

@@ -1,0 +1,55 @@
+"""Blocks per pipeline stage, as the run will split the model.
+
+Stages rarely hold the same number of blocks: this strategy balances parameters (``plan_stages``), so the stages
+that also hold the embedding or the head get fewer blocks; torchtitan gives the first and last stages the base
+count and the middle ones the remainder. A rank's memory and time follow its own stages, and the slowest rank
+sets the pipeline's pace.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from lightning_llmpar.pipeline.stages import plan_stages
+from lightning_llmpar.planner.candidate import Candidate
+from lightning_llmpar.planner.spec import ModelSpec
+
+__all__ = ["rank_blocks", "stage_blocks"]
+
+
+@lru_cache(maxsize=1024)
+def _balanced(layers: int, block: int, first: int, last: int, stages: int) -> tuple[int, ...]:
+    ranges = plan_stages([block] * layers, stages, first_extra=first, last_extra=last)
+    return tuple(stop - start for start, stop in ranges)
+
+
+def _torchtitan(layers: int, stages: int) -> tuple[int, ...]:
+    """torchtitan's split when none is given (``generate_split_points``): the first stage takes the base count,
+    the middle ones one more while the remainder lasts, the last what is left."""
+    base, extra = divmod(layers, stages)
+    counts = [base]
+    for _ in range(stages - 2):
+        take = min(extra, 1)
+        counts.append(base + take)
+        extra -= take
+    return (*counts, layers - sum(counts))
+
+
+def stage_blocks(spec: ModelSpec, c: Candidate) -> tuple[int, ...]:
+    """Blocks of each of the ``pp x virtual`` stages, in order. ``c.stage_split``: "balanced" is this strategy's
+    split (the parameters of each stage balanced, the embedding counted on the first and the head, a copy when
+    tied, with the final norm on the last, as ``pipeline.split.stage_costs`` counts them); "torchtitan" is
+    torchtitan's default split."""
+    stages = c.pp * c.virtual
+    if stages == 1:
+        return (spec.n_layer,)
+    if c.stage_split == "torchtitan":
+        return _torchtitan(spec.n_layer, stages)
+    head = spec.embed_params if spec.tied else spec.head_params
+    return _balanced(spec.n_layer, spec.block_params, spec.embed_params, head + spec.other_params, stages)
+
+
+def rank_blocks(spec: ModelSpec, c: Candidate, rank: int) -> tuple[int, ...]:
+    """Blocks of each stage pipeline rank ``rank`` runs (stages are placed round-robin: ``rank + k x pp``)."""
+    blocks = stage_blocks(spec, c)
+    return tuple(blocks[rank + k * c.pp] for k in range(c.virtual))
