@@ -32,7 +32,7 @@ from lightning_llmpar.launch import run_ranks
 from lightning_llmpar.planner.candidate import Candidate
 from lightning_llmpar.planner.cluster import PRECISIONS, Cluster
 from lightning_llmpar.planner.measure import measure_layout
-from lightning_llmpar.planner.memory import predict_memory
+from lightning_llmpar.planner.memory import predict_memory, predict_rank_memory
 from lightning_llmpar.planner.spec import model_spec
 from lightning_llmpar.planner.speed import predict_step_time
 
@@ -171,6 +171,9 @@ def memory_part(steps: int) -> dict[str, Any]:
                 "layout": c.label(), "world_size": world, "measured_mib": measured / MiB,
                 "measured_per_rank_mib": [rank[i] / MiB for rank in per_rank],
                 "predicted_mib": predicted.peak / MiB, "error": predicted.peak / measured - 1,
+                # The mesh puts the pipeline outermost: the first world/pp ranks hold its first stage(s).
+                "predicted_per_pipeline_rank_mib": [
+                    m.peak / MiB for m in predict_rank_memory(spec, c, SEQ, PRECISIONS["32-true"])],
                 "predicted_terms_mib": {k: v / MiB for k, v in predicted.as_dict().items() if k != "rank"},
             })
             print(f"  {c.label():<60} measured {measured / MiB:7.1f} MiB  predicted {predicted.peak / MiB:7.1f} MiB"

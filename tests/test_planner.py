@@ -128,6 +128,11 @@ def test_a_pipeline_ranks_gradients_and_activations_peak_where_its_schedule_puts
     order = schedule_actions(looped, 0)
     assert [f for f, _ in order] == [True] * 4 + [False] * 4 and [s for f, s in order if not f] == [1, 1, 0, 0]
     assert _walk_schedule(schedule_states(order, -1), 1.0, 5.0, (0.0, 0.0), (0.0, 0.0)) == (4.0, max(3 + 5, 1 + 10))
+    # Stages of different sizes (6 blocks in 4 stages: 1, 2, 2, 1): each forward keeps its own stage's blocks. The
+    # second rank (stages of 2 and 1 blocks) holds 6 blocks at most, not its 3 forwards x their mean of 1.5.
+    four = Candidate(pp=2, microbatches=4, schedule="Interleaved1F1B", virtual=2)
+    at_forward, _ = schedule_states(schedule_actions(four, 1), 1, (2, 1))
+    assert max(kept for kept, *_ in at_forward) == 6 and in_flight(four, 1) == 3
     # Earlier steps' gradients (the floor) count where this step's unsharded ones are smaller.
     assert _walk_schedule(schedule_states(one_f_one_b, -1), 1.0, 0.0, (4.0, 3.0), (0.0, 0.0)) == (2.0 + 4, 2.0 + 3)
 

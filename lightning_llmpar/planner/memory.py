@@ -19,7 +19,8 @@ from lightning_llmpar.planner.cluster import Precision
 from lightning_llmpar.planner.spec import ModelSpec
 from lightning_llmpar.planner.split import rank_blocks
 
-__all__ = ["MemoryEstimate", "activation_elements", "predict_memory", "ring_attention_backward_bytes"]
+__all__ = ["MemoryEstimate", "activation_elements", "predict_memory", "predict_rank_memory",
+           "ring_attention_backward_bytes"]
 
 FP32 = 4
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
@@ -89,8 +90,9 @@ def ring_attention_backward_bytes(spec: ModelSpec, c: Candidate, tokens: float) 
     return tokens * width * (4 * c.cp + 4 + 24 + 8 + 6)
 
 
-# A moment of a rank's schedule, as counts: forwards whose activations are kept, local stages whose backward has
-# begun this step, whether a last-stage microbatch is between its forward and backward (0/1), outputs kept.
+# A moment of a rank's schedule, as counts: blocks whose activations forwards keep, blocks of the local stages whose
+# backward has begun this step, whether a last-stage microbatch is between its forward and backward (0/1), outputs
+# kept.
 State = tuple[int, int, int, int]
 
 
@@ -110,46 +112,51 @@ def _frontier(states: set[State]) -> tuple[State, ...]:
                  if not any(o != s and all(x >= y for x, y in zip(o, s, strict=True)) for o in candidates))
 
 
-def schedule_states(actions: list[tuple[bool, int]], loss_stage: int) -> tuple[tuple[State, ...], tuple[State, ...]]:
+def schedule_states(actions: list[tuple[bool, int]], loss_stage: int, blocks: tuple[int, ...] | None = None) -> tuple[
+        tuple[State, ...], tuple[State, ...]]:
     """Walk a rank's schedule (``schedule_actions``): the states at the end of each forward, and at both ends of
     each backward (which frees its activations as it makes its gradients, so its peak is at one end or the
-    other). ``loss_stage``: the local stage that is the model's last, or -1."""
-    kept = loss = outputs = 0
-    started: set[int] = set()
+    other). ``loss_stage``: the local stage that is the model's last, or -1; ``blocks``: each local stage's
+    blocks (default: one each), so a forward through a larger stage keeps more."""
+    kept = loss = outputs = started = 0
+    seen: set[int] = set()
     at_forward: set[State] = set()
     in_backward: set[State] = set()
     for forward, stage in actions:
         last = int(stage == loss_stage)
+        size = blocks[stage] if blocks else 1
         if forward:
-            kept, loss, outputs = kept + 1, loss + last, outputs + last
-            at_forward.add((kept, len(started), min(loss, 1), outputs))
+            kept, loss, outputs = kept + size, loss + last, outputs + last
+            at_forward.add((kept, started, min(loss, 1), outputs))
             continue
-        in_backward.add((kept, len(started), min(loss, 1), outputs))
-        started.add(stage)
-        kept, loss = kept - 1, loss - last
-        in_backward.add((kept, len(started), min(loss, 1), outputs))
+        in_backward.add((kept, started, min(loss, 1), outputs))
+        if stage not in seen:
+            seen.add(stage)
+            started += size
+        kept, loss = kept - size, loss - last
+        in_backward.add((kept, started, min(loss, 1), outputs))
     return _frontier(at_forward), _frontier(in_backward)
 
 
 @lru_cache(maxsize=4096)
-def _states(pp: int, microbatches: int, virtual: int, schedule: str, rank: int, loss_stage: int) -> tuple[
-        tuple[State, ...], tuple[State, ...]]:
+def _states(pp: int, microbatches: int, virtual: int, schedule: str, rank: int, loss_stage: int,
+            blocks: tuple[int, ...]) -> tuple[tuple[State, ...], tuple[State, ...]]:
     c = Candidate(pp=pp, microbatches=microbatches, virtual=virtual, schedule=schedule)
-    return schedule_states(schedule_actions(c, rank), loss_stage)
+    return schedule_states(schedule_actions(c, rank), loss_stage, blocks)
 
 
 def _walk_schedule(
-    states: tuple[tuple[State, ...], tuple[State, ...]], per_forward: float, stage_grads: float,
+    states: tuple[tuple[State, ...], tuple[State, ...]], per_block: float, block_grads: float,
     earlier_grads: tuple[float, float], loss: tuple[float, float], outputs: float = 0.0,
 ) -> tuple[float, float]:
     """The most a rank holds beyond its fixed state at the end of a forward and around a backward: the activations
-    its forwards keep (``per_forward`` each) until their backward; the gradients, the larger of the earlier step's
-    (``earlier_grads``: at forward, in backward) and the unsharded ones accumulated this step (``stage_grads`` per
-    local stage from its first backward on); the loss's logits (``loss``: at forward, in backward) while a
+    its forwards keep (``per_block`` for each block they ran) until their backward; the gradients, the larger of the
+    earlier step's (``earlier_grads``: at forward, in backward) and the unsharded ones accumulated this step
+    (``block_grads`` per block of a local stage from the stage's first backward on); the loss's logits (``loss``: at forward, in backward) while a
     last-stage microbatch is between its forward and backward; and ``outputs`` per last-stage forward kept to
     the step's end."""
     def most(moments: tuple[State, ...], earlier: float, logits: float) -> float:
-        return max((kept * per_forward + max(earlier, started * stage_grads) + loss_open * logits + kept_out * outputs
+        return max((kept * per_block + max(earlier, started * block_grads) + loss_open * logits + kept_out * outputs
                     for kept, started, loss_open, kept_out in moments), default=0.0)
 
     return most(states[0], earlier_grads[0], loss[0]), most(states[1], earlier_grads[1], loss[1])
@@ -184,7 +191,14 @@ def predict_memory(
 ) -> MemoryEstimate:
     """The peak bytes of the fullest pipeline rank for ``c`` training ``spec`` on sequences of ``seq`` tokens;
     ``cuda``: the caching allocator's reserved bytes (see ``_reserved``), else the bytes in use."""
-    return max((_rank_memory(spec, c, seq, precision, r, cuda) for r in range(c.pp)), key=lambda m: m.peak)
+    return max(predict_rank_memory(spec, c, seq, precision, cuda), key=lambda m: m.peak)
+
+
+def predict_rank_memory(
+    spec: ModelSpec, c: Candidate, seq: int, precision: Precision, cuda: bool = False
+) -> list[MemoryEstimate]:
+    """``predict_memory`` for every pipeline rank, in order."""
+    return [_rank_memory(spec, c, seq, precision, r, cuda) for r in range(c.pp)]
 
 
 def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: int, cuda: bool) -> MemoryEstimate:
@@ -204,14 +218,16 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     # of, are held throughout.
     grads_in_backward = grads if (c.pp > 1 or c.microbatches > 1 or ddp) else 0.0
     # FSDP2 accumulates unsynced gradients unsharded (pipeline stages too): each local stage's from its first
-    # backward of the step on.
-    stage_grads = local * FP32 / c.virtual if fsdp and c.zero and c.microbatches > 1 else 0.0
+    # backward of the step on, counted per block of the stage.
+    blocks = rank_blocks(spec, c, rank)
+    block_grads = local * FP32 / sum(blocks) if fsdp and c.zero and c.microbatches > 1 else 0.0
 
+    last = rank == c.pp - 1
     tokens = c.micro_batch * seq / c.cp
     layer = lambda mode: tokens * activation_elements(spec, c, mode) * p.act_bytes  # noqa: E731
-    # A forward keeps one of the rank's stages' activations; where its stages differ, the walk counts their mean.
-    chunk_layers = sum(rank_blocks(spec, c, rank)) / c.virtual
-    kept = chunk_layers * in_flight(c, rank) * layer(c.checkpointing)
+    # Each forward keeps its stage's blocks' activations until its backward, in the schedule's order.
+    states = _states(c.pp, c.microbatches, c.virtual, c.schedule, rank, c.virtual - 1 if last else -1, blocks)
+    kept = max(kept for kept, *_ in states[0]) * layer(c.checkpointing)
     # While a layer's backward runs it holds its MLP's gradient temporaries (the gate's and the up projection's),
     # and a checkpointed layer first recomputes what it did not keep. Under torch's pipeline schedules a rank was
     # measured to hold about one layer-microbatch beyond the schedule's in-flight count.
@@ -222,7 +238,6 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
         working += layer("none") - layer(c.checkpointing)
     if c.pp > 1:
         working += layer("none")
-    last = rank == c.pp - 1
     # The loss's fp32 logits: log-softmax's output and, on a GPU, the two fp32 gradients of its backward (a
     # sampled host peak sees them one at a time). Sharded by vocabulary under a tensor-parallel loss.
     vocab = spec.vocab / c.tp if c.loss_parallel else spec.vocab
@@ -240,9 +255,8 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     # are larger than any of them, so they take new segments and the cached ones stay reserved.
     loss = logits + (working if cuda else 0.0)
     outputs = tokens * vocab * p.act_bytes if c.keeps_outputs and c.pp > 1 else 0.0
-    states = _states(c.pp, c.microbatches, c.virtual, c.schedule, rank, c.virtual - 1 if last else -1)
     forward_held, backward_held = _walk_schedule(
-        states, chunk_layers * layer(c.checkpointing), stage_grads, (max(grads, grads_in_backward), grads_in_backward),
+        states, layer(c.checkpointing), block_grads, (max(grads, grads_in_backward), grads_in_backward),
         (loss, logits), outputs)
     # The reduction's buffer (one unit's gradient) exists only in backward.
     base = master + gathered + optimizer + buffers
