@@ -152,9 +152,9 @@ def _walk_schedule(
     """The most a rank holds beyond its fixed state at the end of a forward and around a backward: the activations
     its forwards keep (``per_block`` for each block they ran) until their backward; the gradients, the larger of the
     earlier step's (``earlier_grads``: at forward, in backward) and the unsharded ones accumulated this step
-    (``block_grads`` per block of a local stage from the stage's first backward on); the loss's logits (``loss``: at forward, in backward) while a
-    last-stage microbatch is between its forward and backward; and ``outputs`` per last-stage forward kept to
-    the step's end."""
+    (``block_grads`` per block of a local stage from the stage's first backward on); the loss's logits (``loss``:
+    at forward, in backward) while a last-stage microbatch is between its forward and backward; and ``outputs``
+    per last-stage forward kept to the step's end."""
     def most(moments: tuple[State, ...], earlier: float, logits: float) -> float:
         return max((kept * per_block + max(earlier, started * block_grads) + loss_open * logits + kept_out * outputs
                     for kept, started, loss_open, kept_out in moments), default=0.0)

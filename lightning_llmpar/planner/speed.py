@@ -177,7 +177,8 @@ def _rank_step(spec: ModelSpec, c: Candidate, seq: int, cl: Cluster, p: Precisio
         layer += float8_cast_bytes(spec, c, tokens)[1] / (cl.hbm_gbps * 1e9)
     head = 0.0
     if last:  # the head's three GEMMs and the loss's passes over the fp32 logits
-        head = 3 * _gemm(tokens, spec.hidden, spec.vocab / c.tp, cl, p) + 8 * tokens * spec.vocab * 4 / (cl.hbm_gbps * 1e9)
+        head = (3 * _gemm(tokens, spec.hidden, spec.vocab / c.tp, cl, p)
+                + 8 * tokens * spec.vocab * 4 / (cl.hbm_gbps * 1e9))
     compute_mb = layers * layer + head
 
     act = tokens * spec.hidden * p.act_bytes
