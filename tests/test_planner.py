@@ -166,6 +166,13 @@ def test_pipeline_stages_hold_the_blocks_the_strategy_splits_them_into(tmp_path:
     blocks = stage_blocks(spec, c)
     assert blocks[0] < blocks[1] and blocks[-1] < blocks[1] and sum(blocks) == 12
     assert stage_blocks(spec, dataclasses.replace(c, stage_split="torchtitan")) == (3, 3, 3, 3)
+    # torchtitan's generate_split_points on Llama 3.1 405B (126 layers): the first stage the base count, the middle
+    # ones one more while the remainder lasts, the last what is left.
+    deep = dataclasses.replace(spec, n_layer=126)
+    titan = Candidate(pp=8, microbatches=8, schedule="1F1B", stage_split="torchtitan")
+    assert stage_blocks(deep, titan) == (15, *[16] * 6, 15)
+    looped = dataclasses.replace(titan, schedule="Interleaved1F1B", virtual=2)
+    assert stage_blocks(deep, looped) == (7, *[8] * 14, 7) and rank_blocks(deep, looped, 7) == (8, 7)
     assert rank_blocks(spec, dataclasses.replace(c, pp=2, virtual=2), 1) == (blocks[1], blocks[3])
     # The slowest rank sets the step: per microbatch, its blocks' time, and the head's on the last rank. One block's
     # time and the head's come from one- and two-block models without a pipeline.
