@@ -147,16 +147,20 @@ def _states(pp: int, microbatches: int, virtual: int, schedule: str, rank: int, 
 
 def _walk_schedule(
     states: tuple[tuple[State, ...], tuple[State, ...]], per_block: float, block_grads: float,
-    earlier_grads: tuple[float, float], loss: tuple[float, float], outputs: float = 0.0,
+    earlier_grads: tuple[float, float], loss: tuple[float, float], outputs: float = 0.0, beside: bool = False,
 ) -> tuple[float, float]:
     """The most a rank holds beyond its fixed state at the end of a forward and around a backward: the activations
     its forwards keep (``per_block`` for each block they ran) until their backward; the gradients, the larger of the
     earlier step's (``earlier_grads``: at forward, in backward) and the unsharded ones accumulated this step
     (``block_grads`` per block of a local stage from the stage's first backward on); the loss's logits (``loss``:
     at forward, in backward) while a last-stage microbatch is between its forward and backward; and ``outputs``
-    per last-stage forward kept to the step's end."""
+    per last-stage forward kept to the step's end. ``beside``: the earlier gradients are kept beside this step's
+    (a pipeline under Lightning), not replaced by them."""
     def most(moments: tuple[State, ...], earlier: float, logits: float) -> float:
-        return max((kept * per_block + max(earlier, started * block_grads) + loss_open * logits + kept_out * outputs
+        def held(started: int) -> float:
+            return earlier + started * block_grads if beside else max(earlier, started * block_grads)
+
+        return max((kept * per_block + held(started) + loss_open * logits + kept_out * outputs
                     for kept, started, loss_open, kept_out in moments), default=0.0)
 
     return most(states[0], earlier_grads[0], loss[0]), most(states[1], earlier_grads[1], loss[1])
@@ -221,6 +225,12 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     # backward of the step on, counted per block of the stage.
     blocks = rank_blocks(spec, c, rank)
     block_grads = local * FP32 / sum(blocks) if fsdp and c.zero and c.microbatches > 1 else 0.0
+    # This strategy's pipeline runs forward and backward inside Lightning's training step, and Lightning zeroes
+    # gradients only after it: the previous step's stay aside (pipeline.runner) while this step's accumulate, from
+    # each local stage's first backward on (unsharded under FSDP, as above).
+    beside = c.pp > 1 and c.lightning_loop
+    if beside:
+        block_grads = (local if fsdp and c.zero else sharded) * FP32 / sum(blocks)
 
     last = rank == c.pp - 1
     tokens = c.micro_batch * seq / c.cp
@@ -257,7 +267,7 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     outputs = tokens * vocab * p.act_bytes if c.keeps_outputs and c.pp > 1 else 0.0
     forward_held, backward_held = _walk_schedule(
         states, layer(c.checkpointing), block_grads, (max(grads, grads_in_backward), grads_in_backward),
-        (loss, logits), outputs)
+        (loss, logits), outputs, beside)
     # The reduction's buffer (one unit's gradient) exists only in backward.
     base = master + gathered + optimizer + buffers
     forward_end = base + forward_held
