@@ -27,11 +27,7 @@ def _torchtitan(layers: int, stages: int) -> tuple[int, ...]:
     """torchtitan's split when none is given (``generate_split_points``): the first stage takes the base count,
     the middle ones one more while the remainder lasts, the last what is left."""
     base, extra = divmod(layers, stages)
-    counts = [base]
-    for _ in range(stages - 2):
-        take = min(extra, 1)
-        counts.append(base + take)
-        extra -= take
+    counts = [base] + [base + (i < extra) for i in range(stages - 2)]
     return (*counts, layers - sum(counts))
 
 
