@@ -3,7 +3,9 @@
 Lightning expects ``training_step`` to return a loss and then calls ``zero_grad`` and ``backward``;
 the schedule does forward and backward together. So gradients made by the schedule are set aside and
 put back in ``backward`` (after Lightning's backward hooks fired), the loss and everything the step
-logged are taken from the last stage and replayed on every rank, and nothing is logged twice.
+logged are taken from the last stage and replayed on every rank, and nothing is logged twice. The previous
+step's gradients are released before the schedule when Lightning would only zero them after it (see
+``zero_grad_follows``), and kept aside otherwise.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -31,7 +33,23 @@ from lightning_llmpar.training.logged_loss import LoggedCall, captured_logs, is_
 from lightning_llmpar.training.loss_normalization import TokenNormalizer
 from lightning_llmpar.training.quiet import frozen_metrics, synced_only
 
-__all__ = ["PipelineRunner"]
+__all__ = ["PipelineRunner", "zero_grad_follows"]
+
+
+def zero_grad_follows(trainer: Trainer) -> bool:
+    """Whether Lightning will zero the gradients right after this training step, unread: the first batch of an
+    accumulation window, backward not skipped, and no ``on_before_zero_grad`` or ``optimizer_zero_grad`` of the
+    module's or a callback's own that could read them or keep some. Then the previous step's gradients can be
+    released before the schedule instead of held beside this step's through it (a second copy of every
+    gradient on the rank)."""
+    loop = trainer.fit_loop.epoch_loop
+    if loop.automatic_optimization._skip_backward or loop.batch_idx % trainer.accumulate_grad_batches:
+        return False
+    module = trainer.lightning_module
+    for name in ("on_before_zero_grad", "optimizer_zero_grad"):
+        if getattr(type(module), name) is not getattr(LightningModule, name) or name in vars(module):
+            return False
+    return all(type(cb).on_before_zero_grad is Callback.on_before_zero_grad for cb in trainer.callbacks)
 
 
 class PipelineRunner:
@@ -245,8 +263,10 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ one Lightning step
 
-    def run(self, method: str, batch: Any, step_args: tuple, accumulate: int = 1) -> Any:
-        """Run ``method`` (e.g. 'training_step') on ``batch`` through the schedule; return its result."""
+    def run(self, method: str, batch: Any, step_args: tuple, accumulate: int = 1, release_grads: bool = False) -> Any:
+        """Run ``method`` (e.g. 'training_step') on ``batch`` through the schedule; return its result.
+        ``release_grads``: the previous step's gradients will be zeroed unread after the step (``zero_grad_follows``),
+        so they are dropped now rather than kept aside."""
         size = batch_size(batch)
         training = method == "training_step"
         n_mb = self.microbatches_for(size, training)
@@ -258,7 +278,7 @@ class PipelineRunner:
         self.timeline = []
         with captured_logs(self.module, keep=lambda: not self._inferring) as self._logged:
             if training:
-                self._stash_grads()
+                self._stash_grads(keep=not release_grads)
                 with self._context_parallel_step():
                     schedule.step(target=placeholder, return_outputs=False, **{BATCH_KWARG: batch})
                 if self.ties is not None:
@@ -351,8 +371,8 @@ class PipelineRunner:
     def _params(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def _stash_grads(self) -> None:
-        self._previous = {p: p.grad for p in self._params()}
+    def _stash_grads(self, keep: bool) -> None:
+        self._previous = {p: p.grad if keep else None for p in self._params()}
         for p in self._previous:
             p.grad = None
 

@@ -27,7 +27,7 @@ from lightning_llmpar.data_parallel.replicate import ManualBackwardRedirection
 from lightning_llmpar.fault_tolerance.replica_groups import ReplicaGroupEnv, ReplicaGroups
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.pipeline.check import step_on_one_sample
-from lightning_llmpar.pipeline.runner import PipelineRunner
+from lightning_llmpar.pipeline.runner import PipelineRunner, zero_grad_follows
 from lightning_llmpar.pipeline.setup import check_train_batches
 from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.strategies.checkpoints import CheckpointingStrategy
@@ -303,8 +303,10 @@ class LLMParallelStrategy(CheckpointingStrategy):
             return self._through_root(method, *args, **kwargs)
         if kwargs:
             args = (*args, *kwargs.values())  # e.g. dataloader_idx
-        accumulate = self.lightning_module.trainer.accumulate_grad_batches if method == "training_step" else 1
-        return self._runner.run(method, args[0], tuple(args[1:]), accumulate=accumulate)
+        training = method == "training_step"
+        trainer = self.lightning_module.trainer
+        return self._runner.run(method, args[0], tuple(args[1:]), accumulate=trainer.accumulate_grad_batches if training else 1,
+                                release_grads=training and zero_grad_follows(trainer))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
