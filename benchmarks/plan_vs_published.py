@@ -40,7 +40,7 @@ def candidate(row: dict[str, Any]) -> Candidate:
         checkpointing=row["activation_checkpointing"], micro_batch=row["local_batch"] // microbatches,
         microbatches=microbatches, schedule=row["pipeline_schedule"], virtual=row["pipeline_virtual_stages"],
         compile=row["compile"], float8=row["float8"], async_tp=row["async_tp"], loss_parallel=deg["tp"] > 1,
-        fsdp_per_block=True, keeps_outputs=True, stage_split="torchtitan", lightning_loop=False,
+        fsdp_per_block=True, keeps_outputs=True, stage_split="torchtitan",
     )
 
 

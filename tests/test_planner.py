@@ -133,8 +133,8 @@ def test_a_pipeline_ranks_gradients_and_activations_peak_where_its_schedule_puts
     four = Candidate(pp=2, microbatches=4, schedule="Interleaved1F1B", virtual=2)
     at_forward, _ = schedule_states(schedule_actions(four, 1), 1, (2, 1))
     assert max(kept for kept, *_ in at_forward) == 6 and in_flight(four, 1) == 3
-    # A pipeline under Lightning keeps the previous step's gradients (4) aside while this step's (10) accumulate:
-    # they add up instead of the larger one counting.
+    # A pipeline that holds the previous step's gradients (4) aside while this step's (10) accumulate (an
+    # accumulation window's later batches): they add up instead of the larger one counting.
     assert _walk_schedule(schedule_states(one_f_one_b, -1), 1.0, 10.0, (4.0, 4.0), (0.0, 0.0), beside=True) == (
         2.0 + 4, 1.0 + 4 + 10)
     # Earlier steps' gradients (the floor) count where this step's unsharded ones are smaller.

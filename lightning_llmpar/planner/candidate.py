@@ -45,10 +45,10 @@ class Candidate:
     # How blocks are split into pipeline stages (``planner.split``): this strategy's parameter-balanced split, or
     # torchtitan's default, to describe its runs.
     stage_split: StageSplit = "balanced"
-    # The step runs in Lightning's loop (this strategy), which zeroes gradients only after the training step; a
-    # pipeline, whose backward runs inside that step, keeps the previous step's gradients aside meanwhile. False
-    # describes a loop that zeroes them before the step (torchtitan's).
-    lightning_loop: bool = True
+    # A pipeline step holds the previous step's gradients aside through its schedule while this step's accumulate:
+    # this strategy's pipeline does on the later batches of an accumulation window, or when a hook reads gradients
+    # before Lightning's zero_grad (pipeline.runner.zero_grad_follows). Otherwise it releases them first.
+    holds_previous_grads: bool = False
 
     @property
     def float8_all_gather(self) -> bool:

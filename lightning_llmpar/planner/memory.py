@@ -225,12 +225,15 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     # backward of the step on, counted per block of the stage.
     blocks = rank_blocks(spec, c, rank)
     block_grads = local * FP32 / sum(blocks) if fsdp and c.zero and c.microbatches > 1 else 0.0
-    # This strategy's pipeline runs forward and backward inside Lightning's training step, and Lightning zeroes
-    # gradients only after it: the previous step's stay aside (pipeline.runner) while this step's accumulate, from
-    # each local stage's first backward on (unsharded under FSDP, as above).
-    beside = c.pp > 1 and c.lightning_loop
-    if beside:
+    # A pipeline step starts without gradients (this strategy releases the previous step's before its schedule,
+    # torchtitan zeroes them first): each local stage's appear at its first backward (unsharded under FSDP, as
+    # above). Where the previous step's are held aside instead (an accumulation window's later batches), this
+    # step's accumulate beside them.
+    beside = c.pp > 1 and c.holds_previous_grads
+    earlier = (max(grads, grads_in_backward), grads_in_backward)
+    if c.pp > 1:
         block_grads = (local if fsdp and c.zero else sharded) * FP32 / sum(blocks)
+        earlier = (grads, grads) if beside else (0.0, 0.0)
 
     last = rank == c.pp - 1
     tokens = c.micro_batch * seq / c.cp
@@ -266,8 +269,7 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     loss = logits + (working if cuda else 0.0)
     outputs = tokens * vocab * p.act_bytes if c.keeps_outputs and c.pp > 1 else 0.0
     forward_held, backward_held = _walk_schedule(
-        states, layer(c.checkpointing), block_grads, (max(grads, grads_in_backward), grads_in_backward),
-        (loss, logits), outputs, beside)
+        states, layer(c.checkpointing), block_grads, earlier, (loss, logits), outputs, beside)
     # The reduction's buffer (one unit's gradient) exists only in backward.
     base = master + gathered + optimizer + buffers
     forward_end = base + forward_held
