@@ -13,11 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from lightning_llmpar.data_parallel.fsdp import BUCKET_BYTES
 from lightning_llmpar.planner.candidate import Candidate, in_flight, schedule_actions
 from lightning_llmpar.planner.cluster import Precision
 from lightning_llmpar.planner.spec import ModelSpec
-from lightning_llmpar.planner.split import rank_blocks
+from lightning_llmpar.planner.split import rank_blocks, rank_params
 
 __all__ = ["MemoryEstimate", "activation_elements", "predict_memory", "predict_rank_memory",
            "ring_attention_backward_bytes"]
@@ -166,30 +165,6 @@ def _walk_schedule(
     return most(states[0], earlier_grads[0], loss[0]), most(states[1], earlier_grads[1], loss[1])
 
 
-def _local_params(spec: ModelSpec, c: Candidate, rank: int) -> tuple[float, float]:
-    """Parameters pipeline rank ``rank`` holds (after tensor and expert splits), and its largest FSDP unit."""
-    dense_matrix = spec.block_matrix_params - spec.block_expert_params
-    block = (dense_matrix / c.tp + spec.block_expert_params / (c.tp * c.ep)
-             + spec.block_params - spec.block_matrix_params)
-    stages = rank_blocks(spec, c, rank)
-    layers = sum(stages)
-    total = layers * block
-    ends = 0.0
-    if rank == 0:
-        ends += spec.embed_params / c.tp
-    if rank == c.pp - 1:
-        head = spec.embed_params if (spec.tied and c.pp > 1) else spec.head_params  # a tied head is a copy
-        ends += head / c.tp + spec.other_params
-    # Blocks are FSDP units without a pipeline (grouped up to 25 MiB at ZeRO 0-2); with one, each stage is a unit.
-    if c.pp > 1 and not c.fsdp_per_block:
-        unit = max(stages) * block + ends
-    elif c.zero < 3:
-        unit = block * min(layers, max(1, BUCKET_BYTES // (block * FP32)))
-    else:
-        unit = block
-    return total + ends, unit
-
-
 def predict_memory(
     spec: ModelSpec, c: Candidate, seq: int, precision: Precision, cuda: bool = False
 ) -> MemoryEstimate:
@@ -206,7 +181,7 @@ def predict_rank_memory(
 
 
 def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: int, cuda: bool) -> MemoryEstimate:
-    local, unit = _local_params(spec, c, rank)
+    local, unit = rank_params(spec, c, rank)
     ddp = c.replicates(p.name)
     fsdp = c.fsdp and not ddp
     sharded = local / c.shard if fsdp else local

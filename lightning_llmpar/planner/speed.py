@@ -25,7 +25,7 @@ from lightning_llmpar.planner.kernels import (
     ring_attention_bytes,
 )
 from lightning_llmpar.planner.spec import ModelSpec
-from lightning_llmpar.planner.split import rank_blocks
+from lightning_llmpar.planner.split import rank_blocks, rank_params
 
 __all__ = ["TimeEstimate", "model_flops_per_token", "predict_step_time"]
 
@@ -163,12 +163,12 @@ def predict_step_time(spec: ModelSpec, c: Candidate, seq: int, cl: Cluster, p: P
     """The step of the slowest pipeline rank (each rank's blocks as the run splits them, ``planner.split``; the
     last one also runs the head and the loss): the others wait for it in steady state."""
     # Ranks differ only by their blocks and by holding the first or last stage.
-    kinds = {(sum(rank_blocks(spec, c, r)), r == 0, r == c.pp - 1) for r in range(c.pp)}
-    return max((_rank_step(spec, c, seq, cl, p, *kind) for kind in kinds), key=lambda t: t.step)
+    kinds = {(sum(rank_blocks(spec, c, r)), r == 0, r == c.pp - 1): r for r in reversed(range(c.pp))}
+    return max((_rank_step(spec, c, seq, cl, p, rank) for rank in kinds.values()), key=lambda t: t.step)
 
 
-def _rank_step(spec: ModelSpec, c: Candidate, seq: int, cl: Cluster, p: Precision, layers: int, first: bool,
-               last: bool) -> TimeEstimate:
+def _rank_step(spec: ModelSpec, c: Candidate, seq: int, cl: Cluster, p: Precision, rank: int) -> TimeEstimate:
+    layers, last = sum(rank_blocks(spec, c, rank)), rank == c.pp - 1
     tokens = c.micro_batch * seq / c.cp
     lay = _layer(spec, c, tokens, seq, cl, p)
     backward_bytes = 2.0 if cl.elementwise_passes else BACKWARD_BYTES
@@ -215,9 +215,8 @@ def _rank_step(spec: ModelSpec, c: Candidate, seq: int, cl: Cluster, p: Precisio
 
     # FSDP prefetches the next unit's gather and reduces the last one's gradients while computing, so compute
     # hides up to ``comm_overlap`` of its time, all but about one unit's share (one stage's under a pipeline).
-    # The embedding sits on the first stage, the head (a copy when tied) on the last.
-    params = (layers * spec.block_params + first * spec.embed_params
-              + last * (spec.embed_params if spec.tied and c.pp > 1 else spec.head_params)) / c.tp
+    # The rank's own parameters: the embedding on the first stage, the head (a copy when tied) on the last.
+    params, _ = rank_params(spec, c, rank)
     dp = _data_parallel(c, cl, p, params)
     units = layers + 1 if c.pp == 1 else c.virtual
     dp_exposed = max(dp / units, dp - cl.comm_overlap * ticks * compute_mb) if dp else 0.0
@@ -235,7 +234,7 @@ def _rank_step(spec: ModelSpec, c: Candidate, seq: int, cl: Cluster, p: Precisio
 
 def _data_parallel(c: Candidate, cl: Cluster, p: Precision, local: float) -> float:
     """Seconds of gradient reduction and parameter gathering per optimizer step (before overlap) of a rank holding
-    ``local`` parameters (after tensor parallelism)."""
+    ``local`` parameters (after tensor and expert splits, ``rank_params``)."""
     if not c.fsdp:
         return 0.0
     shard_ranks = c.shard

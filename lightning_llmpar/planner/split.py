@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from lightning_llmpar.data_parallel.fsdp import BUCKET_BYTES
 from lightning_llmpar.pipeline.stages import plan_stages
 from lightning_llmpar.planner.candidate import Candidate
 from lightning_llmpar.planner.spec import ModelSpec
 
-__all__ = ["rank_blocks", "stage_blocks"]
+__all__ = ["rank_blocks", "rank_params", "stage_blocks"]
+
+FP32 = 4
 
 
 @lru_cache(maxsize=1024)
@@ -49,3 +52,28 @@ def rank_blocks(spec: ModelSpec, c: Candidate, rank: int) -> tuple[int, ...]:
     """Blocks of each stage pipeline rank ``rank`` runs (stages are placed round-robin: ``rank + k x pp``)."""
     blocks = stage_blocks(spec, c)
     return tuple(blocks[rank + k * c.pp] for k in range(c.virtual))
+
+
+def rank_params(spec: ModelSpec, c: Candidate, rank: int) -> tuple[float, float]:
+    """Parameters pipeline rank ``rank`` holds (after tensor and expert splits: the embedding on the first rank, the
+    head, a copy when tied, and the final norm on the last), and its largest FSDP unit."""
+    dense_matrix = spec.block_matrix_params - spec.block_expert_params
+    block = (dense_matrix / c.tp + spec.block_expert_params / (c.tp * c.ep)
+             + spec.block_params - spec.block_matrix_params)
+    stages = rank_blocks(spec, c, rank)
+    layers = sum(stages)
+    total = layers * block
+    ends = 0.0
+    if rank == 0:
+        ends += spec.embed_params / c.tp
+    if rank == c.pp - 1:
+        head = spec.embed_params if (spec.tied and c.pp > 1) else spec.head_params  # a tied head is a copy
+        ends += head / c.tp + spec.other_params
+    # Blocks are FSDP units without a pipeline (grouped up to 25 MiB at ZeRO 0-2); with one, each stage is a unit.
+    if c.pp > 1 and not c.fsdp_per_block:
+        unit = max(stages) * block + ends
+    elif c.zero < 3:
+        unit = block * min(layers, max(1, BUCKET_BYTES // (block * FP32)))
+    else:
+        unit = block
+    return total + ends, unit
