@@ -37,13 +37,13 @@ __all__ = ["PipelineRunner", "zero_grad_follows"]
 
 
 def zero_grad_follows(trainer: Trainer) -> bool:
-    """Whether Lightning will zero the gradients right after this training step, unread: the first batch of an
-    accumulation window, backward not skipped, and no ``on_before_zero_grad`` or ``optimizer_zero_grad`` of the
-    module's or a callback's own that could read them or keep some. Then the previous step's gradients can be
-    released before the schedule instead of held beside this step's through it (a second copy of every
-    gradient on the rank)."""
-    loop = trainer.fit_loop.epoch_loop
-    if loop.automatic_optimization._skip_backward or loop.batch_idx % trainer.accumulate_grad_batches:
+    """Whether Lightning zeroes the gradients right after every training step, unread: no accumulation over
+    batches, backward not skipped, and no ``on_before_zero_grad`` or ``optimizer_zero_grad`` of the module's or a
+    callback's own that could read them or keep some. Then the previous step's gradients can be released before
+    the schedule instead of held beside this step's through it (a second copy of every gradient on the rank).
+    Under accumulation they are kept on every batch: the later batches of a window need them, so releasing them
+    on the first would not lower the peak."""
+    if trainer.accumulate_grad_batches != 1 or trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward:
         return False
     module = trainer.lightning_module
     for name in ("on_before_zero_grad", "optimizer_zero_grad"):

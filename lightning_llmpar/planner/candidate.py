@@ -46,8 +46,8 @@ class Candidate:
     # torchtitan's default, to describe its runs.
     stage_split: StageSplit = "balanced"
     # A pipeline step holds the previous step's gradients aside through its schedule while this step's accumulate:
-    # this strategy's pipeline does on the later batches of an accumulation window, or when a hook reads gradients
-    # before Lightning's zero_grad (pipeline.runner.zero_grad_follows). Otherwise it releases them first.
+    # this strategy's pipeline does under accumulate_grad_batches > 1, or when a hook reads gradients before
+    # Lightning's zero_grad (pipeline.runner.zero_grad_follows). Otherwise it releases them first.
     holds_previous_grads: bool = False
 
     @property

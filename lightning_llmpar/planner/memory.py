@@ -202,8 +202,8 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     block_grads = local * FP32 / sum(blocks) if fsdp and c.zero and c.microbatches > 1 else 0.0
     # A pipeline step starts without gradients (this strategy releases the previous step's before its schedule,
     # torchtitan zeroes them first): each local stage's appear at its first backward (unsharded under FSDP, as
-    # above). Where the previous step's are held aside instead (an accumulation window's later batches), this
-    # step's accumulate beside them.
+    # above). Where the previous step's are held aside instead (accumulation over batches), this step's
+    # accumulate beside them.
     beside = c.pp > 1 and c.holds_previous_grads
     earlier = (max(grads, grads_in_backward), grads_in_backward)
     if c.pp > 1:
