@@ -5,7 +5,7 @@ the schedule does forward and backward together. So gradients made by the schedu
 put back in ``backward`` (after Lightning's backward hooks fired), the loss and everything the step
 logged are taken from the last stage and replayed on every rank, and nothing is logged twice. The previous
 step's gradients are released before the schedule when Lightning would only zero them after it (see
-``zero_grad_follows``), and kept aside otherwise.
+``training.zero_grad``), and kept aside otherwise.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -33,23 +33,7 @@ from lightning_llmpar.training.logged_loss import LoggedCall, captured_logs, is_
 from lightning_llmpar.training.loss_normalization import TokenNormalizer
 from lightning_llmpar.training.quiet import frozen_metrics, synced_only
 
-__all__ = ["PipelineRunner", "zero_grad_follows"]
-
-
-def zero_grad_follows(trainer: Trainer) -> bool:
-    """Whether Lightning zeroes the gradients right after every training step, unread: no accumulation over
-    batches, backward not skipped, and no ``on_before_zero_grad`` or ``optimizer_zero_grad`` of the module's or a
-    callback's own that could read them or keep some. Then the previous step's gradients can be released before
-    the schedule instead of held beside this step's through it (a second copy of every gradient on the rank).
-    Under accumulation they are kept on every batch: the later batches of a window need them, so releasing them
-    on the first would not lower the peak."""
-    if trainer.accumulate_grad_batches != 1 or trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward:
-        return False
-    module = trainer.lightning_module
-    for name in ("on_before_zero_grad", "optimizer_zero_grad"):
-        if getattr(type(module), name) is not getattr(LightningModule, name) or name in vars(module):
-            return False
-    return all(type(cb).on_before_zero_grad is Callback.on_before_zero_grad for cb in trainer.callbacks)
+__all__ = ["PipelineRunner"]
 
 
 class PipelineRunner:
@@ -265,7 +249,7 @@ class PipelineRunner:
 
     def run(self, method: str, batch: Any, step_args: tuple, accumulate: int = 1, release_grads: bool = False) -> Any:
         """Run ``method`` (e.g. 'training_step') on ``batch`` through the schedule; return its result.
-        ``release_grads``: the previous step's gradients will be zeroed unread after the step (``zero_grad_follows``),
+        ``release_grads``: the previous step's gradients will be zeroed unread after the step (``training.zero_grad``),
         so they are dropped now rather than kept aside."""
         size = batch_size(batch)
         training = method == "training_step"

@@ -47,7 +47,7 @@ class Candidate:
     stage_split: StageSplit = "balanced"
     # A pipeline step holds the previous step's gradients aside through its schedule while this step's accumulate:
     # this strategy's pipeline does under accumulate_grad_batches > 1, or when a hook reads gradients before
-    # Lightning's zero_grad (pipeline.runner.zero_grad_follows). Otherwise it releases them first.
+    # Lightning's zero_grad (training.zero_grad.zero_grad_follows). Otherwise it releases them first.
     holds_previous_grads: bool = False
 
     @property

@@ -27,7 +27,7 @@ from lightning_llmpar.data_parallel.replicate import ManualBackwardRedirection
 from lightning_llmpar.fault_tolerance.replica_groups import ReplicaGroupEnv, ReplicaGroups
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.pipeline.check import step_on_one_sample
-from lightning_llmpar.pipeline.runner import PipelineRunner, zero_grad_follows
+from lightning_llmpar.pipeline.runner import PipelineRunner
 from lightning_llmpar.pipeline.setup import check_train_batches
 from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.strategies.checkpoints import CheckpointingStrategy
@@ -36,6 +36,7 @@ from lightning_llmpar.tensor_parallel import Packing
 from lightning_llmpar.tensor_parallel.loss_parallel import LossParallel, split_logits
 from lightning_llmpar.training.batches import train_batch_sizes
 from lightning_llmpar.training.logged_loss import captured_logs, replay_logs, step_loss, true_loss
+from lightning_llmpar.training.zero_grad import zero_grad_follows
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
