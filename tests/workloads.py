@@ -78,8 +78,23 @@ class _ExtraParameter(GPTModule):
         return super().training_step(batch, batch_idx) + 0 * self.extra.sum()
 
 
+class _PartlyOptimized(GPTModule):
+    """The example GPT whose optimizer leaves out the final norm's weight: Lightning's zero_grad never clears that
+    gradient, so it accumulates over the steps."""
+
+    LEFT_OUT = "model.norm.weight"
+
+    def __init__(self) -> None:
+        super().__init__(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, n_kv_head=2, n_embd=32,
+                         learning_rate=1e-2, warmup_steps=2, total_steps=20)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for n, p in self.named_parameters() if n != self.LEFT_OUT], lr=0.5)
+
+
 MODELS = {"gpt": make_gpt, "llama": HFLlamaModule, "llama_tied": lambda: HFLlamaModule(tie=True),
-          "gpt_extra": lambda: _ExtraParameter(True), "gpt_extra_lenient": lambda: _ExtraParameter(False)}
+          "gpt_extra": lambda: _ExtraParameter(True), "gpt_extra_lenient": lambda: _ExtraParameter(False),
+          "gpt_partly_optimized": _PartlyOptimized}
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

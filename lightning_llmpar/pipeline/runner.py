@@ -3,9 +3,9 @@
 Lightning expects ``training_step`` to return a loss and then calls ``zero_grad`` and ``backward``;
 the schedule does forward and backward together. So gradients made by the schedule are set aside and
 put back in ``backward`` (after Lightning's backward hooks fired), the loss and everything the step
-logged are taken from the last stage and replayed on every rank, and nothing is logged twice. The previous
-step's gradients are released before the schedule when Lightning would only zero them after it (see
-``training.zero_grad``), and kept aside otherwise.
+logged are taken from the last stage and replayed on every rank, and nothing is logged twice. Gradients the
+previous step left (where the strategy has not released them, see ``training.zero_grad``) are kept aside
+through the schedule.
 """
 
 from __future__ import annotations
@@ -247,10 +247,8 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ one Lightning step
 
-    def run(self, method: str, batch: Any, step_args: tuple, accumulate: int = 1, release_grads: bool = False) -> Any:
-        """Run ``method`` (e.g. 'training_step') on ``batch`` through the schedule; return its result.
-        ``release_grads``: the previous step's gradients will be zeroed unread after the step (``training.zero_grad``),
-        so they are dropped now rather than kept aside."""
+    def run(self, method: str, batch: Any, step_args: tuple, accumulate: int = 1) -> Any:
+        """Run ``method`` (e.g. 'training_step') on ``batch`` through the schedule; return its result."""
         size = batch_size(batch)
         training = method == "training_step"
         n_mb = self.microbatches_for(size, training)
@@ -262,7 +260,7 @@ class PipelineRunner:
         self.timeline = []
         with captured_logs(self.module, keep=lambda: not self._inferring) as self._logged:
             if training:
-                self._stash_grads(keep=not release_grads)
+                self._stash_grads()
                 with self._context_parallel_step():
                     schedule.step(target=placeholder, return_outputs=False, **{BATCH_KWARG: batch})
                 if self.ties is not None:
@@ -355,8 +353,8 @@ class PipelineRunner:
     def _params(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def _stash_grads(self, keep: bool) -> None:
-        self._previous = {p: p.grad if keep else None for p in self._params()}
+    def _stash_grads(self) -> None:
+        self._previous = {p: p.grad for p in self._params()}
         for p in self._previous:
             p.grad = None
 

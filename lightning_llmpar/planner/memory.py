@@ -192,23 +192,22 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     grads = sharded * FP32
     reduce_buffer = unit * FP32 if fsdp else 0.0  # one unit's unsharded gradient before its reduction
     optimizer = sharded * ADAM_STATE_BYTES
-    # Lightning zeroes gradients after the training step's forward, so last step's are held through it; in backward
-    # only those of earlier microbatches (pipeline, accumulation) are. DDP's buckets, which the gradients are views
-    # of, are held throughout.
-    grads_in_backward = grads if (c.pp > 1 or c.microbatches > 1 or ddp) else 0.0
+    # A step starts without gradients: this strategy releases the previous step's where Lightning's zero_grad would
+    # discard them unread (training.zero_grad), and torchtitan zeroes them first. They are held through the step
+    # under accumulation over batches (``microbatches`` without a pipeline), where a hook reads them
+    # (``holds_previous_grads``), and as DDP's buckets, which the gradients are views of. On a GPU, FSDP2's sharded
+    # gradients are views of its reduce-scatter output, allocated on the reduce-scatter stream: freed, that block
+    # stays reserved in the stream's pool for the next reduction, where the forward cannot use it.
+    held = c.holds_previous_grads or ddp or (c.pp == 1 and c.microbatches > 1) or (cuda and fsdp)
+    earlier = (grads, grads) if held else (0.0, 0.0)
     # FSDP2 accumulates unsynced gradients unsharded (pipeline stages too): each local stage's from its first
-    # backward of the step on, counted per block of the stage.
+    # backward of the step on, counted per block of the stage. A pipeline stage's plain gradients appear the same
+    # way; where the previous step's are held, this step's accumulate beside them.
     blocks = rank_blocks(spec, c, rank)
     block_grads = local * FP32 / sum(blocks) if fsdp and c.zero and c.microbatches > 1 else 0.0
-    # A pipeline step starts without gradients (this strategy releases the previous step's before its schedule,
-    # torchtitan zeroes them first): each local stage's appear at its first backward (unsharded under FSDP, as
-    # above). Where the previous step's are held aside instead (accumulation over batches), this step's
-    # accumulate beside them.
-    beside = c.pp > 1 and c.holds_previous_grads
-    earlier = (max(grads, grads_in_backward), grads_in_backward)
     if c.pp > 1:
         block_grads = (local if fsdp and c.zero else sharded) * FP32 / sum(blocks)
-        earlier = (grads, grads) if beside else (0.0, 0.0)
+    beside = c.pp > 1 and c.holds_previous_grads
 
     last = rank == c.pp - 1
     tokens = c.micro_batch * seq / c.cp

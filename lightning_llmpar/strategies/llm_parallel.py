@@ -36,7 +36,7 @@ from lightning_llmpar.tensor_parallel import Packing
 from lightning_llmpar.tensor_parallel.loss_parallel import LossParallel, split_logits
 from lightning_llmpar.training.batches import train_batch_sizes
 from lightning_llmpar.training.logged_loss import captured_logs, replay_logs, step_loss, true_loss
-from lightning_llmpar.training.zero_grad import zero_grad_follows
+from lightning_llmpar.training.zero_grad import release_unread_grads, zero_grad_follows
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -294,6 +294,10 @@ class LLMParallelStrategy(CheckpointingStrategy):
         return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
 
     def _step(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.lightning_module.trainer
+        # Last step's gradients, which Lightning discards after the step, released first (DeepSpeed keeps its own).
+        if method == "training_step" and self.engine is None and zero_grad_follows(trainer):
+            release_unread_grads(trainer)
         tokens = self._composed.tokens if self._composed is not None else None
         if self._runner is None:
             if method == "training_step" and tokens is not None:
@@ -304,10 +308,8 @@ class LLMParallelStrategy(CheckpointingStrategy):
             return self._through_root(method, *args, **kwargs)
         if kwargs:
             args = (*args, *kwargs.values())  # e.g. dataloader_idx
-        training = method == "training_step"
-        trainer = self.lightning_module.trainer
-        return self._runner.run(method, args[0], tuple(args[1:]), accumulate=trainer.accumulate_grad_batches if training else 1,
-                                release_grads=training and zero_grad_follows(trainer))
+        accumulate = trainer.accumulate_grad_batches if method == "training_step" else 1
+        return self._runner.run(method, args[0], tuple(args[1:]), accumulate=accumulate)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -127,71 +126,6 @@ def test_accumulation_reduces_gradients_once_per_optimizer_step() -> None:
     for out in outs:
         counter = out["extra"][0]
         assert counter["stages"] == 2 and counter["per_step"] == [counter["stages"]] * 4, counter
-
-
-class PreviousGradients(Callback):
-    """For each batch after the first: how many of the previous batch's gradient tensors this rank had at the
-    batch's start, and how many of them were still alive when the schedule's first forward of the batch ran."""
-
-    def __init__(self) -> None:
-        self.previous: list[int] = []
-        self.alive: list[int] = []
-        self._refs: list[weakref.ref] = []
-        self._probed = True
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        for stage in trainer.strategy.pipeline_runner.stage_modules.values():
-            stage.register_forward_pre_hook(self._probe)
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._refs = [weakref.ref(p.grad) for p in pl_module.parameters() if p.grad is not None]
-        self._probed = False
-
-    def _probe(self, module: Any, args: Any) -> None:
-        if not self._probed and self._refs:
-            self.previous.append(len(self._refs))
-            self.alive.append(sum(ref() is not None for ref in self._refs))
-        self._probed = True
-
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._refs = []
-
-
-class ReadsGradientsBeforeZeroGrad(PreviousGradients):
-    """A hook that reads the gradients Lightning is about to zero (the previous step's), as without a pipeline."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.before_zero_grad: list[float] = []
-        self.at_step: list[float] = []
-
-    @staticmethod
-    def _square_sum(module: LightningModule) -> float:
-        return sum(float(p.grad.double().pow(2).sum()) for p in module.parameters() if p.grad is not None)
-
-    def on_before_zero_grad(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        self.before_zero_grad.append(self._square_sum(pl_module))
-
-    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        self.at_step.append(self._square_sum(pl_module))
-
-
-def test_previous_gradients_are_released_before_the_schedule_when_zero_grad_follows() -> None:
-    """Lightning zeroes gradients after the training step, and the schedule runs backward inside it. Where
-    zero_grad follows unread (no accumulation over batches, no hook of the user's before it), the previous step's
-    gradients are released before the schedule, not held beside this step's through it."""
-    outs = _run("gpt", {"pipeline_parallel": 2}, 2, steps=3, sgd=True, callbacks_extra=[PreviousGradients()])
-    for out in outs:
-        probe = out["extra"][0]
-        assert len(probe["previous"]) == 2 and all(n > 0 for n in probe["previous"]) and probe["alive"] == [0, 0], probe
-
-    outs = _run("gpt", {"pipeline_parallel": 2}, 2, steps=3, sgd=True, callbacks_extra=[ReadsGradientsBeforeZeroGrad()])
-    for out in outs:
-        probe = out["extra"][0]
-        assert len(probe["previous"]) == 2 and probe["alive"] == probe["previous"], probe
-        # The hook sees the gradients the previous optimizer step used, as Lightning without a pipeline shows them.
-        assert probe["before_zero_grad"][0] == 0.0 and probe["at_step"][0] > 0, probe
-        assert probe["before_zero_grad"][1:] == probe["at_step"][:-1], probe
 
 
 def test_validation_and_predict_run_through_the_schedule() -> None:
