@@ -14,7 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = {"exactness_fp32", "bf16_1b", "bf16_1b_compile", "bf16_d4096_compile", "fp8_tensorwise_d4096_compile",
             "fp8_rowwise_d4096_compile", "bf16_1b_ac_full", "bf16_1b_ac_every_k", "bf16_1b_ac_selective",
-            "bf16_1b_ac_selective_matmuls", "bf16_1b_ac_budget"}
+            "bf16_1b_ac_selective_matmuls", "bf16_1b_ac_budget", "bf16_1b_previous_grads_held"}
 
 
 def _run(*args: str, timeout: int) -> subprocess.CompletedProcess[str]:
@@ -42,6 +42,9 @@ def test_dry_run_exercises_every_section_on_cpu(tmp_path: Path) -> None:
         modelled = not name.endswith(("selective_matmuls", "budget"))
         assert (run["planner"] is not None) == modelled, name
     assert report["sections"]["bf16_1b_ac_budget"]["checkpointed_blocks"]  # the budget chose per block
+    held, released = report["sections"]["bf16_1b_previous_grads_held"], report["sections"]["bf16_1b"]
+    assert held["holds_previous_grads"] and not released["holds_previous_grads"]
+    assert held["planner"]["reserved_gib"] > released["planner"]["reserved_gib"]  # last step's gradients counted
     assert (real.stat().st_mtime_ns if real.exists() else None) == before  # a dry run never writes the real file
     refused = _run("--dry-run", "--out", str(real), timeout=120)
     assert refused.returncode != 0 and "never writes" in refused.stderr
@@ -56,3 +59,5 @@ def test_gpu_benchmark_runs_on_one_gpu(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["sections"]["exactness_fp32"]["passed"]
     assert report["summary"]["bf16_1b_mfu"] and report["summary"]["planner_vs_measured"]
+    # Released before the step, last step's gradients (3.9 GiB for the 1B model) leave the forward's peak.
+    assert report["summary"]["previous_grads_release_saves_gib"] > 2.0, report["summary"]

@@ -43,7 +43,8 @@ def sections(dry_run: bool) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
             measured = train(model, accelerator=acc, steps=steps, batch=batch, **kw)
             device = torch.cuda.get_device_name(0) if acc == "cuda" else "cpu"
             measured["planner"] = predict(model, batch, device, kw.get("checkpointing", "none"),
-                                          kw.get("compile", False), kw.get("float8"))
+                                          kw.get("compile", False), kw.get("float8"),
+                                          kw.get("holds_previous_grads", False))
             return measured
         return go
 
@@ -59,6 +60,9 @@ def sections(dry_run: bool) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     for mode in AC_MODES:
         out.append((f"bf16_1b_ac_{mode}", run(big, checkpointing=mode,
                                               budget_mb=budget_mb if mode == "budget" else None)))
+    # bf16_1b again with last step's gradients kept through the step (a hook before zero_grad): what releasing
+    # them saves at the forward's peak.
+    out.append(("bf16_1b_previous_grads_held", run(big, holds_previous_grads=True)))
     return out
 
 
@@ -71,6 +75,8 @@ def _summary(results: dict[str, Any]) -> dict[str, Any]:
     bf16, fp8 = get("bf16_d4096_compile", "tokens_per_s"), get("fp8_tensorwise_d4096_compile", "tokens_per_s")
     summary["fp8_over_bf16_tokens_per_s_d4096"] = fp8 / bf16 if bf16 and fp8 else None
     summary["exactness_passed"] = get("exactness_fp32", "passed")
+    held, released = get("bf16_1b_previous_grads_held", "peak_reserved_gib"), get("bf16_1b", "peak_reserved_gib")
+    summary["previous_grads_release_saves_gib"] = held - released if held and released else None
     pairs = []
     for name, r in results.items():
         if isinstance(r, dict) and r.get("planner") and r.get("tokens_per_s"):

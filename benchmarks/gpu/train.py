@@ -45,6 +45,14 @@ class _Steps(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+class _ReadsGradientsBeforeZeroGrad(Callback):
+    """A hook that could read the gradients Lightning zeroes: with it the strategy keeps the previous step's
+    gradients through the step, as Lightning alone does (see lightning_llmpar.training.zero_grad)."""
+
+    def on_before_zero_grad(self, trainer: Trainer, module: Any, optimizer: Any) -> None:
+        pass
+
+
 def _checkpointing(mode: str, budget_mb: float | None) -> ActivationCheckpointing | None:
     if mode == "none":
         return None
@@ -56,7 +64,7 @@ def _checkpointing(mode: str, budget_mb: float | None) -> ActivationCheckpointin
 
 
 def predict(model: dict[str, int], batch: int, device_name: str, checkpointing: str, compile: bool,
-            float8: str | None) -> dict[str, Any] | None:
+            float8: str | None, holds_previous_grads: bool = False) -> dict[str, Any] | None:
     """The planner's step time, tokens/s, MFU and reserved peak for this run on one device of the kind found."""
     mode = PLANNER_MODE.get(checkpointing)
     if mode is None:
@@ -65,7 +73,8 @@ def predict(model: dict[str, int], batch: int, device_name: str, checkpointing: 
     kind = "cpu" if device_name == "cpu" else "h200" if "H200" in device_name else "h100"
     cluster = cluster_from(kind, gpus_per_node=1)
     p = PRECISIONS["fp8" if float8 else "bf16-mixed"]
-    c = Candidate(micro_batch=batch, checkpointing=mode, compile=compile, float8=float8)  # type: ignore[arg-type]
+    c = Candidate(micro_batch=batch, checkpointing=mode, compile=compile, float8=float8,  # type: ignore[arg-type]
+                  holds_previous_grads=holds_previous_grads)
     t = predict_step_time(spec, c, model["block_size"], cluster, p)
     m = predict_memory(spec, c, model["block_size"], p, cuda=cluster.caching_allocator)
     return {"cluster": kind, "step_s": t.step, "tokens_per_s": t.tokens_per_s,
@@ -74,9 +83,11 @@ def predict(model: dict[str, int], batch: int, device_name: str, checkpointing: 
 
 
 def train(model: dict[str, int], *, accelerator: str, steps: int, batch: int, checkpointing: str = "none",
-          compile: bool = False, float8: str | None = None, budget_mb: float | None = None) -> dict[str, Any]:
+          compile: bool = False, float8: str | None = None, budget_mb: float | None = None,
+          holds_previous_grads: bool = False) -> dict[str, Any]:
     """Train ``model`` (the example GPT's arguments) for ``steps`` on random tokens; median step time over the
-    last two thirds (compilation and autotuning fall in the first), peak memory, MFU against the bf16 peak."""
+    last two thirds (compilation and autotuning fall in the first), peak memory, MFU against the bf16 peak.
+    ``holds_previous_grads``: with a hook before zero_grad, which keeps last step's gradients through the step."""
     seed_everything(0, verbose=False)
     if accelerator == "cuda":
         torch._dynamo.reset()
@@ -93,6 +104,8 @@ def train(model: dict[str, int], *, accelerator: str, steps: int, batch: int, ch
     ac = _checkpointing(checkpointing, budget_mb)
     if ac is not None:
         callbacks.append(ac)
+    if holds_previous_grads:
+        callbacks.append(_ReadsGradientsBeforeZeroGrad())
     trainer = Trainer(accelerator=accelerator, devices=1, strategy=LLMParallelStrategy(compile=compile),
                       plugins=[plugin], max_steps=steps, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -111,7 +124,7 @@ def train(model: dict[str, int], *, accelerator: str, steps: int, batch: int, ch
     peak = peak_flops_per_device(device, torch.bfloat16)
     out: dict[str, Any] = {
         "model": model, "parameters": spec.params, "batch": batch, "steps": steps, "checkpointing": checkpointing,
-        "compile": compile, "float8": float8, "converted_fp8_linears": len(getattr(plugin, "converted", [])),
+        "compile": compile, "float8": float8, "holds_previous_grads": holds_previous_grads, "converted_fp8_linears": len(getattr(plugin, "converted", [])),
         "median_step_s": step, "tokens_per_s": tokens_per_s, "model_tflops_per_s": flops * tokens_per_s / 1e12,
         "mfu_bf16_peak": flops * tokens_per_s / peak if peak else None, "first_step_s": steps_cb.seconds[0],
         "fit_wall_s": wall, "losses_first_last": [steps_cb.losses[0], steps_cb.losses[-1]],
