@@ -23,7 +23,8 @@ def zero_grad_follows(trainer: Trainer) -> bool:
     on the first would not lower the peak."""
     module = trainer.lightning_module
     loop = trainer.fit_loop.epoch_loop.automatic_optimization
-    if not module.automatic_optimization or trainer.accumulate_grad_batches != 1 or loop._skip_backward:
+    # Lightning's flag (SWA's callback sets it); where a version lacks it, nothing is released.
+    if not module.automatic_optimization or trainer.accumulate_grad_batches != 1 or getattr(loop, "_skip_backward", True):
         return False
     for name in ("on_before_zero_grad", "optimizer_zero_grad"):
         if getattr(type(module), name) is not getattr(LightningModule, name) or name in vars(module):
