@@ -37,9 +37,13 @@ class TokenData(LightningDataModule):
         return DataLoader(self.data, batch_size=self.val_batch_size, shuffle=False)
 
 
+# The example GPT every exactness test trains: small enough for gloo on 2 cores, grouped key/value heads.
+GPT_ARGS: dict[str, Any] = {"vocab_size": VOCAB, "block_size": SEQ, "n_layer": 4, "n_head": 4, "n_kv_head": 2,
+                            "n_embd": 32, "learning_rate": 1e-2, "warmup_steps": 2, "total_steps": 20}
+
+
 def make_gpt() -> LightningModule:
-    return GPTModule(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, n_kv_head=2, n_embd=32,
-                     learning_rate=1e-2, warmup_steps=2, total_steps=20)
+    return GPTModule(**GPT_ARGS)
 
 
 class HFLlamaModule(LightningModule):
@@ -69,8 +73,7 @@ class _ExtraParameter(GPTModule):
     """The example GPT with one parameter more than its checkpoints have."""
 
     def __init__(self, strict: bool) -> None:
-        super().__init__(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, n_kv_head=2, n_embd=32,
-                         learning_rate=1e-2, warmup_steps=2, total_steps=20)
+        super().__init__(**GPT_ARGS)
         self.extra = torch.nn.Parameter(torch.zeros(3))
         self.strict_loading = strict
 
@@ -85,8 +88,7 @@ class _PartlyOptimized(GPTModule):
     LEFT_OUT = "model.norm.weight"
 
     def __init__(self) -> None:
-        super().__init__(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, n_kv_head=2, n_embd=32,
-                         learning_rate=1e-2, warmup_steps=2, total_steps=20)
+        super().__init__(**GPT_ARGS)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD([p for n, p in self.named_parameters() if n != self.LEFT_OUT], lr=0.5)

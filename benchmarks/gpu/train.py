@@ -124,7 +124,8 @@ def train(model: dict[str, int], *, accelerator: str, steps: int, batch: int, ch
     peak = peak_flops_per_device(device, torch.bfloat16)
     out: dict[str, Any] = {
         "model": model, "parameters": spec.params, "batch": batch, "steps": steps, "checkpointing": checkpointing,
-        "compile": compile, "float8": float8, "holds_previous_grads": holds_previous_grads, "converted_fp8_linears": len(getattr(plugin, "converted", [])),
+        "compile": compile, "float8": float8, "holds_previous_grads": holds_previous_grads,
+        "converted_fp8_linears": len(getattr(plugin, "converted", [])),
         "median_step_s": step, "tokens_per_s": tokens_per_s, "model_tflops_per_s": flops * tokens_per_s / 1e12,
         "mfu_bf16_peak": flops * tokens_per_s / peak if peak else None, "first_step_s": steps_cb.seconds[0],
         "fit_wall_s": wall, "losses_first_last": [steps_cb.losses[0], steps_cb.losses[-1]],

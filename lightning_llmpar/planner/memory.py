@@ -16,12 +16,11 @@ from functools import lru_cache
 from lightning_llmpar.planner.candidate import Candidate, in_flight, schedule_actions
 from lightning_llmpar.planner.cluster import Precision
 from lightning_llmpar.planner.spec import ModelSpec
-from lightning_llmpar.planner.split import rank_blocks, rank_params
+from lightning_llmpar.planner.split import FP32, rank_blocks, rank_params
 
 __all__ = ["MemoryEstimate", "activation_elements", "predict_memory", "predict_rank_memory",
            "ring_attention_backward_bytes"]
 
-FP32 = 4
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
 
 

@@ -163,7 +163,7 @@ def predict_step_time(spec: ModelSpec, c: Candidate, seq: int, cl: Cluster, p: P
     """The step of the slowest pipeline rank (each rank's blocks as the run splits them, ``planner.split``; the
     last one also runs the head and the loss): the others wait for it in steady state."""
     # Ranks differ only by their blocks and by holding the first or last stage.
-    kinds = {(sum(rank_blocks(spec, c, r)), r == 0, r == c.pp - 1): r for r in reversed(range(c.pp))}
+    kinds = {(sum(rank_blocks(spec, c, r)), r == 0, r == c.pp - 1): r for r in range(c.pp)}
     return max((_rank_step(spec, c, seq, cl, p, rank) for rank in kinds.values()), key=lambda t: t.step)
 
 

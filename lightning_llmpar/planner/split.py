@@ -17,7 +17,7 @@ from lightning_llmpar.planner.spec import ModelSpec
 
 __all__ = ["rank_blocks", "rank_params", "stage_blocks"]
 
-FP32 = 4
+FP32 = 4  # bytes of an fp32 master weight or gradient
 
 
 @lru_cache(maxsize=1024)
