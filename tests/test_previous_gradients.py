@@ -89,6 +89,22 @@ def test_released_before_the_step_where_zero_grad_follows_unread(kwargs: dict[st
         assert len(probe["previous"]) == 2 and all(n > 0 for n in probe["previous"]) and probe["alive"] == [0, 0], probe
 
 
+@pytest.mark.parametrize(("kwargs", "world"), [pytest.param({"pipeline_parallel": 2}, 2, id="pp2"),
+                                               pytest.param({"tensor_parallel": 2}, 2, id="tp2")])
+def test_released_on_transformers_llama_with_tied_embeddings(kwargs: dict[str, Any], world: int) -> None:
+    """A model nobody here wrote, its embedding tied to the head (a copy on the last stage under a pipeline):
+    released as well, and what the user reads (each step's loss, the logged loss) is one process's."""
+    pytest.importorskip("transformers")
+    ref = run_ranks(fit, 1, "llama_tied", None, batch_size=8, steps=3, sgd=True)[0]
+    outs = run_ranks(fit, world, "llama_tied", kwargs, batch_size=8, steps=3, sgd=True,
+                     callbacks_extra=[PreviousGradients()])
+    for out in outs:
+        probe = out["extra"][0]
+        assert len(probe["previous"]) == 2 and probe["alive"] == [0, 0], probe
+        assert all(abs(a - b) < TOL for a, b in zip(out["losses"], ref["losses"], strict=True)), (out["losses"], ref["losses"])
+        assert abs(out["logged"]["train_loss"] - ref["logged"]["train_loss"]) < TOL
+
+
 @pytest.mark.parametrize(("kwargs", "world"), [LAYOUTS[0], LAYOUTS[2]])
 def test_kept_for_a_hook_that_reads_them_before_zero_grad(kwargs: dict[str, Any], world: int) -> None:
     outs = run_ranks(fit, world, "gpt", kwargs, steps=3, sgd=True, callbacks_extra=[ReadsGradientsBeforeZeroGrad()])
