@@ -18,7 +18,7 @@ from lightning_llmpar.planner.cluster import Precision
 from lightning_llmpar.planner.spec import ModelSpec
 from lightning_llmpar.planner.split import FP32, rank_blocks, rank_params
 
-__all__ = ["MemoryEstimate", "activation_elements", "predict_memory", "predict_rank_memory",
+__all__ = ["MemoryEstimate", "activation_elements", "eager_autocast", "predict_memory", "predict_rank_memory",
            "ring_attention_backward_bytes"]
 
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
@@ -42,31 +42,58 @@ class MemoryEstimate:
         return {k: v for k, v in self.__dict__.items()}
 
 
-def activation_elements(spec: ModelSpec, c: Candidate, mode: str) -> float:
+def activation_elements(spec: ModelSpec, c: Candidate, mode: str, autocast: bool = False) -> float:
     """Elements per token one layer keeps for backward under checkpointing ``mode`` (see
     ``activation_checkpointing.memory.block_activation_formula`` for the none-mode terms). Tensor parallelism
     splits the attention and MLP terms; with sequence parallelism the norms work on a 1/tp slice of the
-    sequence, but the projections keep the gathered (full) input."""
+    sequence, but the projections keep the gathered (full) input.
+
+    ``autocast``: eager bf16 autocast over fp32 parameters (``eager_autocast``), counted in 2-byte elements. The
+    embedding's output is fp32, so the residual stream stays fp32 and each block's input counts twice. Each norm
+    keeps its fp32 input and normalized tensor, and its fp32 output is not kept: each of the five projections
+    keeps its own bf16 cast of it instead (measured on one H100, ``benchmarks/gpu/phases.py``)."""
     h, a, f, tp = spec.hidden, spec.n_head, spec.ffn_hidden, c.tp
     sp = c.sequence_parallel and tp > 1
-    block_input = h / tp if sp else h
+    norm_width = h / tp if sp else h
+    block_input = norm_width * (2 if autocast else 1)
     if mode == "full":
         return block_input
     if mode == "selective":  # the block's input and the attention kernel's output and log-sum-exp
         return block_input + (h + a) / tp
     if mode == "every_2":
-        return (activation_elements(spec, c, "none") + block_input) / 2
+        return (activation_elements(spec, c, "none", autocast) + block_input) / 2
     if mode == "selective_op":
         # torchtitan's op policy keeps every odd matmul's output (q, v, gate, down) and attention's. Compiled,
         # the partitioner keeps only what backward reads: not the down projection's output (a residual's input).
         kv = max(spec.n_kv_head / tp, 1) * h / a
         down = 0.0 if c.compile else (h / tp if sp else h)
         return block_input + h / tp + kv + (h + 2 * a) / tp + f / tp + down
-    norms = 2 * ((2 * h + 1) / tp + h) if sp else 2 * (3 * h + 1)
+    # Two norms, each keeping its input, normalized tensor and rsqrt, and the projections' input (one shared
+    # bf16 tensor; five casts of it under eager autocast).
+    per_norm = (2 * h + 1) / tp if sp else 2 * h + 1
+    norms = 2 * per_norm + (5 * h if autocast else 2 * h)
+    if autocast:
+        norms += 2 * per_norm  # the fp32 input and normalized tensor count twice
     attention = (5 * h + a) / tp
     # Experts, their dispatched copies and the router's logits; or the one MLP.
     mlp = spec.top_k * (4 * f / tp + 2 * h) + spec.n_expert if spec.n_expert else 4 * f / tp
     return norms + attention + mlp
+
+
+def eager_autocast(c: Candidate, p: Precision) -> bool:
+    """Whether ``c`` runs eager bf16 autocast over fp32 parameters: Lightning's bf16-mixed where no FSDP casts
+    the parameters to bf16 (one device, tensor or pipeline parallelism alone), not compiled. A compiled graph
+    keeps one cast and recomputes the norms: the none-mode count holds for it (``benchmarks/results/gpu*.json``)."""
+    return p.name == "bf16-mixed" and not c.fsdp and not c.compile
+
+
+def _matmul_params(spec: ModelSpec, c: Candidate, rank: int) -> float:
+    """Parameters of rank ``rank``'s matmuls: its blocks' matrices and, on the last rank, the output head (the
+    embedding's weight when tied). Autocast caches a bf16 copy of each for the step."""
+    dense = spec.block_matrix_params - spec.block_expert_params
+    per_layer = dense / c.tp + spec.block_expert_params / (c.tp * c.ep)
+    head = (spec.embed_params if spec.tied else spec.head_params) / c.tp if rank == c.pp - 1 else 0.0
+    return sum(rank_blocks(spec, c, rank)) * per_layer + head
 
 
 def ring_attention_backward_bytes(spec: ModelSpec, c: Candidate, tokens: float) -> float:
@@ -188,6 +215,8 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     gathered = 0.0
     if fsdp:  # FSDP2 computes with a gathered copy, also on a size-1 shard (float8 weights gathered in fp8)
         gathered = (2 * unit if c.zero == 3 else local) * (1 if c.float8_all_gather else p.param_bytes)
+    elif p.name == "bf16-mixed":  # autocast's cached bf16 copy of every weight a matmul uses, held by the graph
+        gathered = _matmul_params(spec, c, rank) * p.param_bytes
     grads = sharded * FP32
     reduce_buffer = unit * FP32 if fsdp else 0.0  # one unit's unsharded gradient before its reduction
     optimizer = sharded * ADAM_STATE_BYTES
@@ -197,8 +226,11 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     # (``holds_previous_grads``), and as DDP's buckets, which the gradients are views of. On a GPU, FSDP2's sharded
     # gradients are views of its reduce-scatter output, allocated on the reduce-scatter stream: freed, that block
     # stays reserved in the stream's pool for the next reduction, where the forward cannot use it.
-    held = c.holds_previous_grads or ddp or (c.pp == 1 and c.microbatches > 1) or (cuda and fsdp)
-    earlier = (grads, grads) if held else (0.0, 0.0)
+    # A hook before zero_grad keeps them through the forward only: Lightning's zero_grad drops them before backward,
+    # unless a pipeline's schedule, which runs backward inside the training step, keeps them beside this step's.
+    through = ddp or (c.pp == 1 and c.microbatches > 1) or (cuda and fsdp)
+    earlier = (grads if through or c.holds_previous_grads else 0.0,
+               grads if through or (c.holds_previous_grads and c.pp > 1) else 0.0)
     # FSDP2 accumulates unsynced gradients unsharded (pipeline stages too): each local stage's from its first
     # backward of the step on, counted per block of the stage. A pipeline stage's plain gradients appear the same
     # way; where the previous step's are held, this step's accumulate beside them.
@@ -210,7 +242,8 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
 
     last = rank == c.pp - 1
     tokens = c.micro_batch * seq / c.cp
-    layer = lambda mode: tokens * activation_elements(spec, c, mode) * p.act_bytes  # noqa: E731
+    autocast = eager_autocast(c, p)
+    layer = lambda mode: tokens * activation_elements(spec, c, mode, autocast) * p.act_bytes  # noqa: E731
     # Each forward keeps its stage's blocks' activations until its backward, in the schedule's order.
     states = _states(c.pp, c.microbatches, c.virtual, c.schedule, rank, c.virtual - 1 if last else -1, blocks)
     kept = max(kept for kept, *_ in states[0]) * layer(c.checkpointing)
