@@ -46,6 +46,18 @@ def test_dry_run_exercises_every_section_on_cpu(tmp_path: Path) -> None:
     assert held["holds_previous_grads"] and not released["holds_previous_grads"]
     assert held["planner"]["reserved_gib"] > released["planner"]["reserved_gib"]  # last step's gradients counted
     assert (real.stat().st_mtime_ns if real.exists() else None) == before  # a dry run never writes the real file
+    # --repredict puts the current planner beside stored measurements, which it leaves as they are.
+    stored = json.loads(out.read_text())
+    for run in stored["sections"].values():
+        if run.get("planner"):
+            run["planner"]["reserved_gib"] = -1.0
+    out.write_text(json.dumps(stored))
+    again = _run("--repredict", str(out), timeout=120)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    redone = json.loads(out.read_text())
+    assert redone["sections"]["bf16_1b"]["planner"] == report["sections"]["bf16_1b"]["planner"]
+    assert redone["sections"]["bf16_1b"]["tokens_per_s"] == report["sections"]["bf16_1b"]["tokens_per_s"]
+    assert redone["summary"]["previous_grads_release_predicted_gib"] > 0
     refused = _run("--dry-run", "--out", str(real), timeout=120)
     assert refused.returncode != 0 and "never writes" in refused.stderr
 
@@ -59,5 +71,8 @@ def test_gpu_benchmark_runs_on_one_gpu(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["sections"]["exactness_fp32"]["passed"]
     assert report["summary"]["bf16_1b_mfu"] and report["summary"]["planner_vs_measured"]
-    # Released before the step, last step's gradients (3.9 GiB for the 1B model) leave the forward's peak.
-    assert report["summary"]["previous_grads_release_saves_gib"] > 2.0, report["summary"]
+    # Released before the step, last step's gradients (3.9 GiB for the 1B model) leave the forward's peak. The peak
+    # then moves to the start of backward, where the logits' fp32 gradient appears: one H100 measured 2.9 GiB less
+    # allocated at the peak and 1.8 GiB less reserved (benchmarks/results/gpu.json).
+    assert report["summary"]["previous_grads_release_saves_allocated_gib"] > 2.0, report["summary"]
+    assert report["summary"]["previous_grads_release_saves_gib"] > 1.0, report["summary"]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["main", "sections"]
+__all__ = ["main", "repredict", "sections"]
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "gpu.json"
 # ~1.06B parameters (20 blocks of width 2048, SwiGLU 5472, 32k vocabulary untied); FP8 at width 4096 with 8 blocks,
@@ -75,8 +75,14 @@ def _summary(results: dict[str, Any]) -> dict[str, Any]:
     bf16, fp8 = get("bf16_d4096_compile", "tokens_per_s"), get("fp8_tensorwise_d4096_compile", "tokens_per_s")
     summary["fp8_over_bf16_tokens_per_s_d4096"] = fp8 / bf16 if bf16 and fp8 else None
     summary["exactness_passed"] = get("exactness_fp32", "passed")
-    held, released = get("bf16_1b_previous_grads_held", "peak_reserved_gib"), get("bf16_1b", "peak_reserved_gib")
-    summary["previous_grads_release_saves_gib"] = held - released if held and released else None
+    # What releasing last step's gradients saves: in reserved bytes (the headline), in allocated bytes, and as the
+    # planner predicts it (reserved).
+    for key, field in (("", "peak_reserved_gib"), ("_allocated", "peak_allocated_gib")):
+        held, released = get("bf16_1b_previous_grads_held", field), get("bf16_1b", field)
+        summary[f"previous_grads_release_saves{key}_gib"] = held - released if held and released else None
+    held, released = get("bf16_1b_previous_grads_held", "planner"), get("bf16_1b", "planner")
+    summary["previous_grads_release_predicted_gib"] = (held["reserved_gib"] - released["reserved_gib"]
+                                                       if held and released else None)
     pairs = []
     for name, r in results.items():
         if isinstance(r, dict) and r.get("planner") and r.get("tokens_per_s"):
@@ -91,13 +97,34 @@ def _summary(results: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
+def repredict(path: Path) -> dict[str, Any]:
+    """Rewrite each run's ``planner`` entry in a written report with the current planner, for the device the report
+    names, and its summary; the measurements stay as they are."""
+    from benchmarks.gpu.train import predict
+
+    report = json.loads(path.read_text())
+    device = "cpu" if report["dry_run"] else report["device"]
+    for run in report["sections"].values():
+        if isinstance(run, dict) and "planner" in run:
+            run["planner"] = predict(run["model"], run["batch"], device, run["checkpointing"],
+                                     run["compile"], run["float8"], run["holds_previous_grads"])
+    report["summary"] = _summary(report["sections"])
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print(json.dumps(report["summary"], indent=1, default=str))
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__)
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny models, compile off: checks the code path")
     parser.add_argument("--out", type=Path, help=f"JSON to write (default {OUT}; a temp file with --dry-run)")
     parser.add_argument("--budget-s", type=float, default=None, help="time budget (default 450 s, dry run 120 s)")
     parser.add_argument("--only", nargs="+", help="run only these sections")
+    parser.add_argument("--repredict", type=Path, metavar="JSON",
+                        help="no run: put the current planner's predictions beside the measurements in JSON")
     args = parser.parse_args(argv)
+    if args.repredict:
+        return repredict(args.repredict)
     if args.dry_run:
         out = args.out or Path(tempfile.mkdtemp(prefix="llmpar-gpu-")) / "gpu.json"
         if out.resolve() == OUT.resolve():

@@ -84,7 +84,7 @@ def predict(model: dict[str, int], batch: int, device_name: str, checkpointing: 
 
 def train(model: dict[str, int], *, accelerator: str, steps: int, batch: int, checkpointing: str = "none",
           compile: bool = False, float8: str | None = None, budget_mb: float | None = None,
-          holds_previous_grads: bool = False) -> dict[str, Any]:
+          holds_previous_grads: bool = False, callbacks: tuple[Callback, ...] = ()) -> dict[str, Any]:
     """Train ``model`` (the example GPT's arguments) for ``steps`` on random tokens; median step time over the
     last two thirds (compilation and autotuning fall in the first), peak memory, MFU against the bf16 peak.
     ``holds_previous_grads``: with a hook before zero_grad, which keeps last step's gradients through the step."""
@@ -100,16 +100,16 @@ def train(model: dict[str, int], *, accelerator: str, steps: int, batch: int, ch
               if float8 else BF16Precision())
     device = torch.device(accelerator)
     steps_cb = _Steps(device)
-    callbacks: list[Callback] = [steps_cb]
+    hooks: list[Callback] = [steps_cb, *callbacks]  # ``callbacks``: extra ones, e.g. phases.py's recorder
     ac = _checkpointing(checkpointing, budget_mb)
     if ac is not None:
-        callbacks.append(ac)
+        hooks.append(ac)
     if holds_previous_grads:
-        callbacks.append(_ReadsGradientsBeforeZeroGrad())
+        hooks.append(_ReadsGradientsBeforeZeroGrad())
     trainer = Trainer(accelerator=accelerator, devices=1, strategy=LLMParallelStrategy(compile=compile),
                       plugins=[plugin], max_steps=steps, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                      num_sanity_val_steps=0, callbacks=callbacks, use_distributed_sampler=False)
+                      num_sanity_val_steps=0, callbacks=hooks, use_distributed_sampler=False)
     data = torch.randint(0, model["vocab_size"], (steps * batch, model["block_size"] + 1),
                          generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch, shuffle=False)
