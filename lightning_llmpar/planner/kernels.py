@@ -27,6 +27,12 @@ ROPE_EAGER, ROPE_COMPILED = 20.0, 4.0  # float (r2 w4), complex multiply (r4 w4)
 REPEAT_KV = 4.0  # grouped key/value heads expanded to every query head before SDPA: r2 w2 per expanded element
 TRANSPOSE = 4.0  # attention output back to (tokens, heads x dim), contiguous: r2 w2
 SWIGLU_EAGER, SWIGLU_COMPILED = 10.0, 6.0  # silu (r2 w2) then multiply (r2 r2 w2); fused: r2 r2 w2
+# Eager bf16 autocast over fp32 parameters (``memory.eager_autocast``): the residual stream is fp32, so RMSNorm's
+# float() and type_as() are no-ops (pow r4 w4, mean r4, x * rsqrt r4 w4, * weight r4 w4), a residual add reads fp32
+# and bf16 and writes fp32 (r4 r2 w4), and each of the five projections casts its fp32 input to bf16 (r4 w2).
+NORM_AUTOCAST, RESIDUAL_AUTOCAST, INPUT_CAST = 28.0, 10.0, 6.0
+# Each weight a matmul uses is cast to bf16 once per forward (r4 w2) and its bf16 gradient to fp32 (r2 w4).
+WEIGHT_CAST = 6.0
 BACKWARD_BYTES = 2.0  # backward reads what forward wrote plus the incoming gradient, and writes gradients
 # Float8 dynamic scaling of one GEMM operand: amax (r2) then scale-and-cast (r2 w1); compiled, the amax fuses
 # into the producer of the operand. Backward also needs column-major copies of the input and the gradient.
@@ -68,8 +74,9 @@ def attention_flops(spec: ModelSpec, c: Candidate, tokens: float, seq: int) -> f
     return 2.0 * tokens * seq * spec.hidden / c.tp
 
 
-def elementwise_bytes(spec: ModelSpec, c: Candidate) -> float:
-    """Bytes one token moves through one layer's elementwise ops in forward (backward: ``BACKWARD_BYTES`` x)."""
+def elementwise_bytes(spec: ModelSpec, c: Candidate, autocast: bool = False) -> float:
+    """Bytes one token moves through one layer's elementwise ops in forward (backward: ``BACKWARD_BYTES`` x);
+    ``autocast``: eager autocast over fp32 parameters, whose norms and residual adds run on an fp32 stream."""
     h, tp = spec.hidden, c.tp
     stream = h / tp if (c.sequence_parallel and tp > 1) else h  # norms and residuals on a sequence shard
     q, kv = h / tp, max(spec.n_kv_head / tp, 1) * h / spec.n_head
@@ -77,8 +84,9 @@ def elementwise_bytes(spec: ModelSpec, c: Candidate) -> float:
     repeat = REPEAT_KV * 2 * q if kv < q else 0.0
     if c.compile:
         return 2 * NORM_COMPILED * stream + ROPE_COMPILED * (q + kv) + repeat + TRANSPOSE * q + SWIGLU_COMPILED * f
-    return (2 * (NORM_EAGER + RESIDUAL_EAGER) * stream + ROPE_EAGER * (q + kv) + repeat + TRANSPOSE * q
-            + SWIGLU_EAGER * f)
+    norms = (2 * (NORM_AUTOCAST + RESIDUAL_AUTOCAST) * stream + 5 * INPUT_CAST * h if autocast
+             else 2 * (NORM_EAGER + RESIDUAL_EAGER) * stream)
+    return norms + ROPE_EAGER * (q + kv) + repeat + TRANSPOSE * q + SWIGLU_EAGER * f
 
 
 def float8_cast_bytes(spec: ModelSpec, c: Candidate, tokens: float) -> tuple[float, float]:

@@ -17,6 +17,7 @@ from lightning_llmpar.planner.candidate import Candidate
 from lightning_llmpar.planner.cluster import Cluster, Precision
 from lightning_llmpar.planner.kernels import (
     BACKWARD_BYTES,
+    WEIGHT_CAST,
     attention_flops,
     elementwise_bytes,
     float8_cast_bytes,
@@ -24,6 +25,7 @@ from lightning_llmpar.planner.kernels import (
     layer_gemms,
     ring_attention_bytes,
 )
+from lightning_llmpar.planner.memory import eager_autocast
 from lightning_llmpar.planner.spec import ModelSpec
 from lightning_llmpar.planner.split import rank_blocks, rank_params
 
@@ -119,7 +121,7 @@ def _layer(spec: ModelSpec, c: Candidate, tokens: float, seq: int, cl: Cluster, 
     if cl.elementwise_passes:  # norms, RoPE, SiLU, residuals as passes over the layer's input
         moved = cl.elementwise_passes * tokens * h * p.act_bytes
     else:
-        moved = elementwise_bytes(spec, c) * tokens * p.act_bytes / 2
+        moved = elementwise_bytes(spec, c, eager_autocast(c, p)) * tokens * p.act_bytes / 2
         moved += float8_cast_bytes(spec, c, tokens)[0]
     # The ring's bytes are counted for bf16 activations; full precision moves about twice as many.
     ring = [b * tokens * h / c.tp * p.act_bytes / 2 / (cl.hbm_gbps * 1e9) for b in ring_attention_bytes(c.cp)]
@@ -175,6 +177,8 @@ def _rank_step(spec: ModelSpec, c: Candidate, seq: int, cl: Cluster, p: Precisio
     layer = lay.train(c.checkpointing, backward_bytes)
     if c.float8 and not cl.elementwise_passes:
         layer += float8_cast_bytes(spec, c, tokens)[1] / (cl.hbm_gbps * 1e9)
+    if eager_autocast(c, p) and not cl.elementwise_passes:  # each weight's cast and its gradient's, per microbatch
+        layer += 2 * WEIGHT_CAST * sum(k * n for k, n in layer_gemms(spec, c)) / (cl.hbm_gbps * 1e9)
     head = 0.0
     if last:  # the head's three GEMMs and the loss's passes over the fp32 logits
         head = (3 * _gemm(tokens, spec.hidden, spec.vocab / c.tp, cl, p)
