@@ -80,7 +80,10 @@ def _rope_tables(cfg: GPTConfig, device: torch.device | None = None) -> tuple[Te
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # x: (B, heads, T, head_dim); rotate pairs (even, odd).
     # cos / sin: (T, head_dim / 2) shared by the batch, or (B, T, head_dim / 2) from per-sample positions.
+    # In x's dtype, as transformers' Llama applies it: fp32 tables would promote bf16 queries and keys to fp32 under
+    # autocast, doubling RoPE's traffic, and attention would cast them back.
     x1, x2 = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     cos, sin = (cos[None, None], sin[None, None]) if cos.ndim == 2 else (cos[:, None], sin[:, None])
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
