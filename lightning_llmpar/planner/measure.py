@@ -126,14 +126,17 @@ class StepTimes(Callback):
 
 
 def measure_layout(
-    candidate: Candidate, model: dict[str, Any], seq: int, steps: int = 3, what: str = "memory"
+    candidate: Candidate, model: dict[str, Any], seq: int, steps: int = 3, what: str = "memory",
+    precision: str = "32-true",
 ) -> Any:
     """Train the example GPT (``model``: its arguments) under ``candidate`` on this rank for ``steps`` optimizer
     steps; return this rank's peak bytes over them (``what="memory"``), or each step's seconds (``"time"``, no
-    sampling then). Call it on every rank (torchrun or similar)."""
+    sampling then). ``precision``: "32-true" or "bf16-mixed" (``BF16Precision``, CPU autocast). Call it on every
+    rank (torchrun or similar)."""
     from lightning_llmpar.activation_checkpointing import ActivationCheckpointing
     from lightning_llmpar.models import GPTModule
     from lightning_llmpar.planner.config import strategy_args
+    from lightning_llmpar.precision.plugins import BF16Precision
     from lightning_llmpar.strategies.llm_parallel import LLMParallelStrategy
 
     probe: MeasuredPeak | StepTimes = MeasuredPeak() if what == "memory" else StepTimes()  # before the model
@@ -148,6 +151,7 @@ def measure_layout(
         max_steps=steps, accumulate_grad_batches=1 if pipelined else candidate.microbatches, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0, callbacks=callbacks, use_distributed_sampler=False,
+        plugins=[BF16Precision(device="cpu")] if precision == "bf16-mixed" else None,
     )
     batch = candidate.micro_batch * (candidate.microbatches if pipelined else 1)
     trainer.fit(module, datamodule=_Tokens(batch, seq, model.get("vocab_size", 256), steps))

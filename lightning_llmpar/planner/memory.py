@@ -22,6 +22,8 @@ __all__ = ["MemoryEstimate", "activation_elements", "eager_autocast", "predict_m
            "ring_attention_backward_bytes"]
 
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
+# The share of a layer's matmuls whose inputs backward recomputes, by checkpointing mode.
+RECOMPUTED_SHARE = {"none": 0.0, "full": 1.0, "selective": 1.0, "every_2": 0.5, "selective_op": 0.5}
 
 
 @dataclass(frozen=True)
@@ -279,6 +281,11 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     # The reduction's buffer (one unit's gradient) exists only in backward.
     base = master + gathered + optimizer + buffers
     forward_end = base + forward_held
+    # Autocast's cache of weight copies is cleared when the training step's forward leaves autocast; in backward
+    # only the copies the graph saved remain, none for a recomputed block. A pipeline's schedule runs backward
+    # inside the step, cache and all.
+    if not fsdp and p.name == "bf16-mixed" and c.pp == 1:
+        base -= gathered * RECOMPUTED_SHARE[c.checkpointing]
     during = max(forward_end, base + reduce_buffer + working + max(backward_held, grads))
     # AdamW steps in place: LLMParallelStrategy runs torch's fused kernel (fused_optimizer=True), which, unlike
     # torch's GPU default foreach, makes no temporary as large as a moment.
