@@ -2,10 +2,11 @@
 
 The peak is the larger of two moments. In forward/backward a rank holds its parameter shards, the gathered
 copies FSDP2 computes with (the whole rank's parameters at ZeRO 0-2, which keep them gathered through backward;
-two units at a time at ZeRO-3), AdamW's moments, the gradients when they outlive a microbatch (pipeline or
-accumulation), what each in-flight microbatch keeps for backward, one layer's full activations while a
-backward or a recomputation runs, the loss's fp32 logits, and the pipeline's receive buffers. At the optimizer
-step it holds parameters, gradients, moments and the step's temporaries.
+two units at a time at ZeRO-3) or, in bf16 without FSDP, autocast's bf16 weight copies, AdamW's moments, the
+gradients when they outlive a microbatch (pipeline or accumulation), what each in-flight microbatch keeps for
+backward, one layer's full activations while a backward or a recomputation runs, the loss's fp32 logits, and the
+pipeline's receive buffers. At the optimizer step it holds parameters, gradients, moments and the step's
+temporaries.
 """
 
 from __future__ import annotations
@@ -217,8 +218,9 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     gathered = 0.0
     if fsdp:  # FSDP2 computes with a gathered copy, also on a size-1 shard (float8 weights gathered in fp8)
         gathered = (2 * unit if c.zero == 3 else local) * (1 if c.float8_all_gather else p.param_bytes)
-    elif p.name == "bf16-mixed":  # autocast's cached bf16 copy of every weight a matmul uses, held by the graph
-        gathered = _matmul_params(spec, c, rank) * p.param_bytes
+    # Without FSDP, bf16-mixed is autocast over fp32 weights: it caches a bf16 copy of every weight a matmul uses.
+    weight_copies = _matmul_params(spec, c, rank) * p.param_bytes if not fsdp and p.name == "bf16-mixed" else 0.0
+    gathered += weight_copies
     grads = sharded * FP32
     reduce_buffer = unit * FP32 if fsdp else 0.0  # one unit's unsharded gradient before its reduction
     optimizer = sharded * ADAM_STATE_BYTES
@@ -284,8 +286,8 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     # Autocast's cache of weight copies is cleared when the training step's forward leaves autocast; in backward
     # only the copies the graph saved remain, none for a recomputed block. A pipeline's schedule runs backward
     # inside the step, cache and all.
-    if not fsdp and p.name == "bf16-mixed" and c.pp == 1:
-        base -= gathered * RECOMPUTED_SHARE[c.checkpointing]
+    if c.pp == 1:
+        base -= weight_copies * RECOMPUTED_SHARE[c.checkpointing]
     during = max(forward_end, base + reduce_buffer + working + max(backward_held, grads))
     # AdamW steps in place: LLMParallelStrategy runs torch's fused kernel (fused_optimizer=True), which, unlike
     # torch's GPU default foreach, makes no temporary as large as a moment.
