@@ -52,7 +52,8 @@ class Groups:
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NUM_REPLICA_GROUPS": str(self.num_groups),
                "REPLICA_GROUP_ID": group if group.isdigit() else "0", "TORCHFT_LIGHTHOUSE": self.lighthouse,
-               "TORCHFT_TIMEOUT_SEC": "120", "TORCHFT_QUORUM_TIMEOUT_SEC": "240", "TORCHFT_CONNECT_TIMEOUT_SEC": "60", **env_overrides}
+               "TORCHFT_TIMEOUT_SEC": "120", "TORCHFT_QUORUM_TIMEOUT_SEC": "240", "TORCHFT_CONNECT_TIMEOUT_SEC": "60",
+               "PYTHONFAULTHANDLER": "1", **env_overrides}  # a native abort prints every thread's Python stack
         cmd = [sys.executable, str(WORKER), "--out", str(self.out), "--group", group, *args]
         if ranks > 1:  # a group of several ranks is one torchrun job, as users start it
             cmd[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", env["MASTER_PORT"]]
