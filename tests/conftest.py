@@ -110,6 +110,8 @@ FULL: list[tuple[str, str]] = [
      "more random kill points (trial0 and trial1, killed in and out of a save, are fast)"),
     ("tests/test_planner.py::test_predicted_peaks_are_within_ten_percent_of_measured_ones",
      "measures eleven real layouts"),
+    ("tests/test_planner.py::test_two_ranks_under_bf16_autocast_peak_near_the_prediction",
+     "four two-rank layouts in bf16 (one process in bf16 is fast)"),
     ("tests/cli/test_quiet_run.py::test_main_job_prints_each_warning_once", "the eight-process main job"),
     ("tests/cli/test_quiet_run.py::test_pipeline_run_prints_each_warning_once",
      "test_cli's pipeline run is checked for repeated warnings in the fast set"),

@@ -184,6 +184,19 @@ def test_one_process_under_bf16_autocast_peaks_where_predicted() -> None:
         assert abs(predicted / peak - 1) <= 0.10, (c.label(), predicted / 2**20, peak / 2**20)
 
 
+def test_two_ranks_under_bf16_autocast_peak_near_the_prediction() -> None:
+    """Tensor and pipeline parallelism without FSDP run autocast over fp32 parameters too (the plain count was 25-30%
+    low); under FSDP2 the parameters are bf16 and the plain count stands. Within 15% on this machine."""
+    model = {"vocab_size": 256, "n_layer": 6, "n_head": 6, "n_kv_head": 2, "n_embd": 384}
+    layouts = [Candidate(tp=2, micro_batch=8), Candidate(tp=2, micro_batch=8, sequence_parallel=False),
+               Candidate(pp=2, micro_batch=2, microbatches=4, schedule="1F1B"), Candidate(dp=2, zero=3, micro_batch=8)]
+    per_rank = run_ranks(_measure_bf16, 2, layouts, model, 128, timeout=900)
+    for i, c in enumerate(layouts):
+        measured = max(rank[i] for rank in per_rank)
+        predicted = predict_memory(model_spec(model), c, 128, PRECISIONS["bf16-mixed"]).peak
+        assert abs(predicted / measured - 1) <= 0.15, (c.label(), predicted / 2**20, measured / 2**20)
+
+
 def test_a_hook_keeps_the_previous_gradients_through_the_forward_only() -> None:
     """Lightning's zero_grad runs between forward and backward: gradients a hook kept are gone by the backward,
     except under a pipeline, whose schedule runs backward inside the training step."""
