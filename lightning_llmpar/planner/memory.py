@@ -17,10 +17,10 @@ from functools import lru_cache
 from lightning_llmpar.planner.candidate import Candidate, in_flight, schedule_actions
 from lightning_llmpar.planner.cluster import Precision
 from lightning_llmpar.planner.spec import ModelSpec
-from lightning_llmpar.planner.split import FP32, rank_blocks, rank_params
+from lightning_llmpar.planner.split import FP32, rank_blocks, rank_matmul_params, rank_params
 
-__all__ = ["MemoryEstimate", "activation_elements", "eager_autocast", "predict_memory", "predict_rank_memory",
-           "ring_attention_backward_bytes"]
+__all__ = ["MemoryEstimate", "activation_elements", "autocast_over_fp32", "eager_autocast", "predict_memory",
+           "predict_rank_memory", "ring_attention_backward_bytes"]
 
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
 # The share of a layer's matmuls whose inputs backward recomputes, by checkpointing mode.
@@ -83,20 +83,16 @@ def activation_elements(spec: ModelSpec, c: Candidate, mode: str, autocast: bool
     return norms + attention + mlp
 
 
+def autocast_over_fp32(c: Candidate, p: Precision) -> bool:
+    """Whether ``c`` runs bf16 autocast over fp32 parameters: Lightning's bf16-mixed where no FSDP casts the
+    parameters to bf16 (one device, tensor or pipeline parallelism alone)."""
+    return p.name == "bf16-mixed" and not c.fsdp
+
+
 def eager_autocast(c: Candidate, p: Precision) -> bool:
-    """Whether ``c`` runs eager bf16 autocast over fp32 parameters: Lightning's bf16-mixed where no FSDP casts
-    the parameters to bf16 (one device, tensor or pipeline parallelism alone), not compiled. A compiled graph
-    keeps one cast and recomputes the norms: the none-mode count holds for it (``benchmarks/results/gpu*.json``)."""
-    return p.name == "bf16-mixed" and not c.fsdp and not c.compile
-
-
-def _matmul_params(spec: ModelSpec, c: Candidate, rank: int) -> float:
-    """Parameters of rank ``rank``'s matmuls: its blocks' matrices and, on the last rank, the output head (the
-    embedding's weight when tied). Autocast caches a bf16 copy of each for the step."""
-    dense = spec.block_matrix_params - spec.block_expert_params
-    per_layer = dense / c.tp + spec.block_expert_params / (c.tp * c.ep)
-    head = (spec.embed_params if spec.tied else spec.head_params) / c.tp if rank == c.pp - 1 else 0.0
-    return sum(rank_blocks(spec, c, rank)) * per_layer + head
+    """``autocast_over_fp32``, not compiled. A compiled graph keeps one cast and recomputes the norms: the none-mode
+    count holds for it (``benchmarks/results/gpu*.json``)."""
+    return autocast_over_fp32(c, p) and not c.compile
 
 
 def ring_attention_backward_bytes(spec: ModelSpec, c: Candidate, tokens: float) -> float:
@@ -218,8 +214,8 @@ def _rank_memory(spec: ModelSpec, c: Candidate, seq: int, p: Precision, rank: in
     gathered = 0.0
     if fsdp:  # FSDP2 computes with a gathered copy, also on a size-1 shard (float8 weights gathered in fp8)
         gathered = (2 * unit if c.zero == 3 else local) * (1 if c.float8_all_gather else p.param_bytes)
-    # Without FSDP, bf16-mixed is autocast over fp32 weights: it caches a bf16 copy of every weight a matmul uses.
-    weight_copies = _matmul_params(spec, c, rank) * p.param_bytes if not fsdp and p.name == "bf16-mixed" else 0.0
+    # Autocast over fp32 weights caches a bf16 copy of every weight a matmul uses.
+    weight_copies = rank_matmul_params(spec, c, rank) * p.param_bytes if autocast_over_fp32(c, p) else 0.0
     gathered += weight_copies
     grads = sharded * FP32
     reduce_buffer = unit * FP32 if fsdp else 0.0  # one unit's unsharded gradient before its reduction

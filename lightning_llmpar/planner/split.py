@@ -15,7 +15,7 @@ from lightning_llmpar.pipeline.stages import plan_stages
 from lightning_llmpar.planner.candidate import Candidate
 from lightning_llmpar.planner.spec import ModelSpec
 
-__all__ = ["rank_blocks", "rank_params", "stage_blocks"]
+__all__ = ["rank_blocks", "rank_matmul_params", "rank_params", "stage_blocks"]
 
 FP32 = 4  # bytes of an fp32 master weight or gradient
 
@@ -54,12 +54,23 @@ def rank_blocks(spec: ModelSpec, c: Candidate, rank: int) -> tuple[int, ...]:
     return tuple(blocks[rank + k * c.pp] for k in range(c.virtual))
 
 
+def _block_matrices(spec: ModelSpec, c: Candidate) -> float:
+    """One block's 2-D weights on one rank: dense ones split by tensor parallelism, experts by tensor and expert."""
+    dense = spec.block_matrix_params - spec.block_expert_params
+    return dense / c.tp + spec.block_expert_params / (c.tp * c.ep)
+
+
+def rank_matmul_params(spec: ModelSpec, c: Candidate, rank: int) -> float:
+    """Parameters of rank ``rank``'s matmuls: its blocks' matrices and, on the last rank, the output head (the
+    embedding's weight when tied)."""
+    head = (spec.embed_params if spec.tied else spec.head_params) / c.tp if rank == c.pp - 1 else 0.0
+    return sum(rank_blocks(spec, c, rank)) * _block_matrices(spec, c) + head
+
+
 def rank_params(spec: ModelSpec, c: Candidate, rank: int) -> tuple[float, float]:
     """Parameters pipeline rank ``rank`` holds (after tensor and expert splits: the embedding on the first rank, the
     head, a copy when tied, and the final norm on the last), and its largest FSDP unit."""
-    dense_matrix = spec.block_matrix_params - spec.block_expert_params
-    block = (dense_matrix / c.tp + spec.block_expert_params / (c.tp * c.ep)
-             + spec.block_params - spec.block_matrix_params)
+    block = _block_matrices(spec, c) + spec.block_params - spec.block_matrix_params
     stages = rank_blocks(spec, c, rank)
     layers = sum(stages)
     total = layers * block
