@@ -169,6 +169,38 @@ def test_an_eager_autocast_block_keeps_what_the_planner_counts(hidden: int, seq:
     assert (counted(False) + weights) / measured - 1 < -0.15
 
 
+@pytest.mark.parametrize("hidden,seq,batch", [(64, 32, 2), (256, 128, 4)])
+def test_an_eager_autocast_transformers_llama_layer_keeps_what_the_planner_counts(hidden: int, seq: int,
+                                                                                  batch: int) -> None:
+    """The same count on a layer nobody here wrote: transformers' LlamaDecoderLayer under CPU autocast (its RoPE
+    tables follow the fp32 hidden states, so its queries and keys are promoted and SDPA keeps bf16 casts)."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from lightning_llmpar.activation_checkpointing.memory import held_activation_bytes
+    from lightning_llmpar.planner.memory import activation_elements
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    layer, rope = LlamaDecoderLayer(cfg, 0), LlamaRotaryEmbedding(cfg)
+    positions = torch.arange(seq)[None].expand(batch, -1)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x, position_embeddings=rope(x, positions), attention_mask=None, position_ids=positions)
+        return out[0] if isinstance(out, tuple) else out
+
+    measured = held_activation_bytes(run, torch.randn(batch, seq, hidden, requires_grad=True))
+    spec = dataclasses.replace(model_spec({"vocab_size": 256, "n_layer": 1, "n_head": 4, "n_kv_head": 2,
+                                           "n_embd": hidden}), ffn_hidden=3 * hidden)
+    weights = 2 * sum(p.numel() for p in layer.parameters() if p.ndim == 2)
+    counted = lambda autocast: batch * seq * activation_elements(spec, Candidate(), "none", autocast) * 2  # noqa: E731
+    assert abs((counted(True) + weights) / measured - 1) < 0.05, (measured, counted(True) + weights)
+    assert (counted(False) + weights) / measured - 1 < -0.10
+
+
 def _measure_bf16(layouts: list[Candidate], model: dict, seq: int) -> list[int]:
     return [measure_layout(c, model, seq, precision="bf16-mixed") for c in layouts]
 
