@@ -179,8 +179,9 @@ class ReplicaGroups:
         self.env, self.trainer, self.strategy, self.diloco = env, trainer, strategy, diloco
         self.committed_steps = 0
         self.uncommitted_steps = 0
+        self._pg = ProcessGroupGloo(timeout=timeout)  # the gloo group across replica groups, rebuilt at each new quorum
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
+            pg=self._pg,
             load_state_dict=self._load_state_dict,
             state_dict=self._state_dict,
             min_replica_size=1,
@@ -293,6 +294,10 @@ class ReplicaGroups:
             self._local_sgd.__exit__(None, None, None)  # removes its hooks from the optimizer
             self._local_sgd = None
         self.manager.shutdown(wait=False)
+        # torchft's shutdown leaves the cross-group gloo group alive, with its worker and transport threads, until
+        # the interpreter collects it at exit. Released here, while Python runs: its destructor joins those threads,
+        # and a second fit in the same process does not keep the first one's.
+        self._pg.shutdown()
 
 
 def _inner(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -121,7 +121,8 @@ LAYOUTS = [pytest.param(1, 0, id="1rank"), pytest.param(2, 3, id="2ranks-zero3")
 def _two_groups_against_one_process(tmp_path: Path, lighthouse: str, *args: str, ranks: int = 1,
                                     zero: int = 0, model: str = "regression") -> tuple[list[dict], ...]:
     """Run two groups (``args`` added to each) and one process reading every rank's batch of every group at once,
-    6 steps; the groups end bitwise equal and within fp32 1e-5 of the one process. Returns each run's rows."""
+    6 steps; the groups end bitwise equal and within fp32 1e-5 of the one process, and with one rank each, their
+    teardown leaves no more gloo threads than the one process's. Returns each run's rows."""
     groups = Groups(tmp_path, lighthouse)
     try:
         g0 = groups.start("0", "--steps", "6", "--model", model, "--wait-ready", "1_run", *args, ranks=ranks, zero=zero)
@@ -134,6 +135,12 @@ def _two_groups_against_one_process(tmp_path: Path, lighthouse: str, *args: str,
     for k in r:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
         torch.testing.assert_close(a[k], r[k], rtol=1e-5, atol=1e-5)
+    if ranks == 1:
+        # Teardown released the gloo group across replica groups: fit leaves as many gloo worker threads running
+        # as the same one-process fit without torchft (not one more group's until the interpreter exits).
+        gloo = [sum(n.startswith("pt_gloo") for n in json.loads((tmp_path / f"{g}_run_threads.json").read_text()))
+                for g in ("0", "1", "ref")]
+        assert gloo[0] == gloo[1] == gloo[2], gloo
     return tuple(_rows(tmp_path / f"{g}_run.jsonl") for g in ("0", "1", "ref"))
 
 

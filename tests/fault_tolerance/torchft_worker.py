@@ -2,7 +2,8 @@
 
 Run as a script, one process per replica group (or one for the reference without torchft). Files under --out
 are the only channel to the test: ``ready_<group>`` once this group's manager is up, ``<group>_<tag>.jsonl``
-one line per optimizer step, ``<group>_<tag>.pt`` the final weights.
+one line per optimizer step, ``<group>_<tag>.pt`` the final weights, ``<group>_<tag>_threads.json`` the names of
+rank 0's threads after fit.
 """
 
 from __future__ import annotations
@@ -163,6 +164,10 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(MODELS[args.model](args.batch), ckpt_path="last" if args.resume else None)
+    if trainer.global_rank == 0:  # what fit left running: torch names each gloo process group's worker threads
+        tasks = Path("/proc/self/task")
+        names = [(t / "comm").read_text().strip() for t in tasks.iterdir()] if tasks.is_dir() else []
+        (Path(args.out) / f"{args.group}_{args.tag}_threads.json").write_text(json.dumps(names))
 
 
 if __name__ == "__main__":
