@@ -148,6 +148,7 @@ def fit(
     callbacks_extra: list[Callback] | None = None,
     val_batch_size: int | None = None,
     save_weights_only: bool = False,
+    val_every: int | None = None,
 ) -> dict[str, Any]:
     """Train ``model`` for ``steps`` and report what a parity test compares.
 
@@ -184,7 +185,9 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        limit_val_batches=0 if not validate else 4,
+        limit_val_batches=4 if validate or val_every else 0,
+        val_check_interval=val_every,  # validation inside training: every ``val_every`` steps
+        check_val_every_n_epoch=None if val_every else 1,
         callbacks=callbacks,
         max_epochs=epochs,
         use_distributed_sampler=False,

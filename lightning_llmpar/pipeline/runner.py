@@ -57,7 +57,8 @@ class PipelineRunner:
         self.pp_rank = pp_mesh.get_local_rank()
         self.device, self.schedule_name, self.microbatches = device, schedule, microbatches
         self.stage_modules = {s: StageModule(self, s, parts[s]) for s in sorted(parts)}
-        self._schedules: dict[tuple[int, bool], Any] = {}
+        self._accepts: dict[tuple[int, bool], bool] = {}  # (microbatches, training): does the schedule take it
+        self._schedule_in_use: tuple[tuple[int, bool], Any] | None = None
         self._stages: list[PipelineStage] | None = None
         self._method, self._step_args = "training_step", ()
         self._logged: list[LoggedCall] = []
@@ -155,28 +156,34 @@ class PipelineRunner:
 
             stage._to_tensor = zeroed
 
+    def _build_schedule(self, microbatches: int, training: bool) -> Any:
+        return build_schedule(self.schedule_name, self._build_stages(), microbatches, self._loss, self.layout, training)
+
     def _schedule(self, microbatches: int, training: bool) -> Any:
+        """The schedule for this step, built afresh whenever the one in use changes. A torch schedule sets the
+        stages up on first use (receive buffers per microbatch, with gradients or not) and records that on itself.
+        The stages are shared: a kept schedule would run on another's buffers (after a validation no gradient
+        reached the earlier stages; after a short batch a full one overran them). torch's ``eval`` does the same."""
         key = (microbatches, training)
-        if key not in self._schedules:
-            name = self.schedule_name
-            if not training and not self.layout.v_shape:
-                # Forward only: every schedule computes the same; these take any number of microbatches (an
-                # evaluation batch may hold fewer samples than there are stages).
-                name = "GPipe" if self.layout.stages_per_rank == 1 else "LoopedBFS"
-            self._schedules[key] = build_schedule(name, self._build_stages(), microbatches, self._loss)
-        return self._schedules[key]
+        if self._schedule_in_use is None or self._schedule_in_use[0] != key:
+            self._schedule_in_use = (key, self._build_schedule(microbatches, training))
+        return self._schedule_in_use[1]
+
+    def _takes(self, microbatches: int, training: bool) -> bool:
+        key = (microbatches, training)
+        if key not in self._accepts:
+            try:  # a schedule touches its stages only when it runs
+                self._accepts[key] = self._build_schedule(microbatches, training) is not None
+            except ValueError:  # e.g. 1F1B needs at least as many microbatches as stages
+                self._accepts[key] = False
+        return self._accepts[key]
 
     def microbatches_for(self, size: int, training: bool) -> int:
         """The configured microbatch count, or for a batch it does not divide (an epoch's last batch, evaluation)
         the largest count below it that divides the batch and the schedule accepts (the result is the same)."""
         for n in range(min(self.microbatches, size), 0, -1):
-            if size % n:
-                continue
-            try:
-                self._schedule(n, training)
-            except ValueError:  # e.g. 1F1B needs at least as many microbatches as stages
-                continue
-            return n
+            if size % n == 0 and self._takes(n, training):
+                return n
         raise ValueError(
             f"A batch of {size} samples cannot be split into microbatches for pipeline_schedule={self.schedule_name!r}"
             f" on {self.layout.pp} ranks ({self.layout.num_stages} stages). Use batch sizes that are multiples of"
@@ -377,10 +384,6 @@ class PipelineRunner:
     def bubble_fraction(self) -> float:
         """Idle share of this rank during the last step."""
         return bubble_fraction(self.timeline, self.step_window)
-
-
-def _divisor(size: int, most: int) -> int:
-    return max(d for d in range(1, most + 1) if size % d == 0)
 
 
 def _merge(outs: list[Any]) -> Any:

@@ -109,8 +109,12 @@ def plan_stages(
 
 
 def build_schedule(
-    name: str, stages: list[PipelineStage], microbatches: int, loss_fn: Any
+    name: str, stages: list[PipelineStage], microbatches: int, loss_fn: Any, layout: StageLayout, training: bool = True
 ) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    if not training and not layout.v_shape:
+        # Forward only: every schedule computes the same; these take any number of microbatches (an evaluation
+        # batch may hold fewer samples than there are stages).
+        name = "GPipe" if layout.stages_per_rank == 1 else "LoopedBFS"
     cls = get_schedule_class(name)
     # scale_grads=False: loss_fn already divides by microbatches x accumulation, which stays right
     # under Lightning's accumulate_grad_batches (the schedule's own scaling does not know about it).

@@ -138,6 +138,24 @@ def test_validation_and_predict_run_through_the_schedule() -> None:
         assert torch.equal(out["predictions"], ref["predictions"])
 
 
+@pytest.mark.parametrize(("layout", "world"), [
+    pytest.param({"pipeline_schedule": "Interleaved1F1B"}, 2, id="Interleaved1F1B"),
+    pytest.param({"pipeline_schedule": "1F1B"}, 2, id="1F1B"),
+    pytest.param({"zero_stage": 3}, 4, id="dp2-zero3"),
+])
+def test_training_after_validation_and_short_batches_matches_one_process(layout: dict[str, Any], world: int) -> None:
+    """Validation every 5 steps and epochs of 54 samples (the last batch 6 of 16) over 3 epochs: the schedules for
+    training, evaluation and the short batch take turns on the same stages, and training goes on exact."""
+    kw: dict[str, Any] = {"steps": -1, "epochs": 3, "samples": 54, "sgd": True, "val_every": 5,
+                          "val_batch_size": GLOBAL_BATCH}  # each data-parallel rank validates the whole batch
+    ref = reference_for("gpt", **kw)
+    outs = _run("gpt", {"pipeline_parallel": 2, **layout}, world, **kw)
+    assert len(ref["losses"]) == 12
+    assert_pipeline_parity(ref, outs)
+    for out in outs:  # the last validation, after 10 steps
+        assert abs(out["logged"]["val/loss"] - ref["logged"]["val/loss"]) < LOSS_TOL
+
+
 def test_checkpoint_moves_between_pipeline_and_one_process(tmp_path: Path) -> None:
     samples = 80  # 5 steps an epoch: save at the epoch boundary
     pp = {"pipeline_parallel": 2}
