@@ -23,6 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from lightning_llmpar.activation_checkpointing.memory import held_activation_bytes
 from lightning_llmpar.modeling.structure import find_block_stack
+from lightning_llmpar.training.documents import models_with_cache
 
 __all__ = [
     "ActivationCheckpointing",
@@ -290,6 +291,8 @@ class ActivationCheckpointing(Callback):
         # LLMParallelStrategy applies it itself, between tensor parallelism and sharding.
         if not getattr(trainer.strategy, "applies_activation_checkpointing", False):
             self.apply(pl_module)
+        if self.plan.mode != "none":
+            _train_without_cache(pl_module)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         report = self.report
@@ -298,6 +301,23 @@ class ActivationCheckpointing(Callback):
         metrics = {f"activation_mb/{r['block']}": r["bytes"] / 2**20 for r in report}
         metrics["activation_mb/total"] = sum(r["bytes"] for r in report) / 2**20
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+
+
+def _train_without_cache(module: nn.Module) -> None:
+    """transformers models keep a key/value cache in training forwards too (``use_cache=True``, their config's
+    default). A recomputed block adds its keys to it again: selective recomputation then meets an op its forward
+    did not run and fails, and the cache holds every layer's keys and values through backward. As transformers' own
+    gradient checkpointing does, their training forwards run without one, unless the step asks for it."""
+
+    def hook(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        if not model.training or "use_cache" in kwargs or kwargs.get("past_key_values") is not None:
+            return None
+        return args, {**kwargs, "use_cache": False}
+
+    for model in models_with_cache(module):
+        if not getattr(model, "_llmpar_no_cache_in_training", False):  # once, whatever the number of set-ups
+            model.register_forward_pre_hook(hook, with_kwargs=True)
+            model._llmpar_no_cache_in_training = True
 
 
 def saved_activation_bytes(fn: Any, *args: Any) -> int:

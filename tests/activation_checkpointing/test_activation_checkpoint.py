@@ -76,6 +76,21 @@ def test_checkpointing_under_parallel_layouts(kwargs: dict[str, Any], world: int
         assert len(set(per_block)) > 1 and kept[0]["activation_mb/total"] <= checkpointing["budget_mb"], kept[0]
 
 
+@pytest.mark.parametrize(("kwargs", "world"), [pytest.param(None, 1, id="plain-lightning"),
+                                              pytest.param({"tensor_parallel": 2}, 2, id="tp2")])
+def test_selective_checkpointing_of_a_transformers_llama_with_its_cache_on(kwargs: dict[str, Any] | None,
+                                                                          world: int) -> None:
+    """transformers' Llama keeps a key/value cache in training forwards (``use_cache=True``, its config's default):
+    recomputed, a block added to it again and selective recomputation failed in backward. It trains as without
+    checkpointing, under the callback alone and under the strategy."""
+    from tests.workloads import fit
+
+    checkpointing = {"mode": "selective", "save": "attention_and_up_projections"}
+    outs = run_ranks(fit, world, "llama", kwargs, batch_size=GLOBAL_BATCH, checkpointing=checkpointing)
+    assert all(o["checkpointing_applied"] for o in outs)
+    assert_parity(reference_for("llama"), outs, 1)
+
+
 def test_checkpointing_under_pipeline() -> None:
     from tests.workloads import fit
 
