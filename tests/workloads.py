@@ -94,9 +94,40 @@ class _PartlyOptimized(GPTModule):
         return torch.optim.SGD([p for n, p in self.named_parameters() if n != self.LEFT_OUT], lr=0.5)
 
 
+class _PositionsInForward(GPTModule):
+    """The example GPT behind a LightningModule whose own forward takes ``position_ids`` too, as wrappers often do."""
+
+    def __init__(self) -> None:
+        super().__init__(**GPT_ARGS)
+
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(idx, position_ids=position_ids)
+
+
+class _Positioned(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(idx, position_ids=pos)
+
+
+class _PositionsAtRoot(_PositionsInForward):
+    """As above, but the model inside names its positions otherwise: only the LightningModule's forward takes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Positioned(self.model)
+
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(idx, pos=position_ids)
+
+
 MODELS = {"gpt": make_gpt, "llama": HFLlamaModule, "llama_tied": lambda: HFLlamaModule(tie=True),
           "gpt_extra": lambda: _ExtraParameter(True), "gpt_extra_lenient": lambda: _ExtraParameter(False),
-          "gpt_partly_optimized": _PartlyOptimized}
+          "gpt_partly_optimized": _PartlyOptimized, "gpt_positions_in_forward": _PositionsInForward,
+          "gpt_positions_at_root": _PositionsAtRoot}
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

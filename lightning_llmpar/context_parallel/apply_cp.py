@@ -63,6 +63,7 @@ class ContextParallel:
         self._sdpa = F.scaled_dot_product_attention
         self._position_index: int | None = None
         self._hf_labels = False
+        self._root_takes_positions = self._step_call = False
         self.bytes_sent = 0  # attention traffic this rank sent in the forward passes since the last optimizer step
 
     # ------------------------------------------------------------------ set-up
@@ -70,7 +71,10 @@ class ContextParallel:
     def prepare(self, module: nn.Module) -> None:
         """Find where positions enter, switch transformers models to mask-free causal attention, patch SDPA."""
         check_sequence_mixers(module)
-        target = next((m for m in module.modules() if _takes(m, "position_ids") is not None), None)
+        takers = [m for m in module.modules() if _takes(m, "position_ids") is not None]
+        # Lightning passes every step through the root module's __call__ (its forward redirection), so a hook on the
+        # root also sees the step's own arguments: a model inside it that takes positions is where they enter.
+        target = next((m for m in takers if m is not module), takers[0] if takers else None)
         if target is None:
             raise ValueError(
                 f"context_parallel gives each rank part of every sequence, so the model must be told its tokens'"
@@ -79,6 +83,7 @@ class ContextParallel:
                 " transformers model takes), or use context_parallel=1."
             )
         self._position_index = _takes(target, "position_ids")
+        self._root_takes_positions = target is module
         self._hf_labels = prepare_hf_attention(module, lambda: self.active) and _takes(target, "labels") is not None
         target.register_forward_pre_hook(self._inject, with_kwargs=True)
 
@@ -101,9 +106,14 @@ class ContextParallel:
         """``call(method, *args, **kwargs)``: a training step on this rank's part of each sequence; evaluation
         steps on whole sequences."""
         self.active = training
-        if not training:
-            return call(method, *args, **kwargs)
-        output = call(method, self.begin_step(args[0]), *args[1:], **kwargs)
+        # The first call of the root is the step itself, redirected (see prepare): not a forward to give positions.
+        self._step_call = self._root_takes_positions
+        try:
+            if not training:
+                return call(method, *args, **kwargs)
+            output = call(method, self.begin_step(args[0]), *args[1:], **kwargs)
+        finally:
+            self._step_call = False
         self.end_forward(method)
         return output
 
@@ -144,6 +154,9 @@ class ContextParallel:
             )
 
     def _inject(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        if self._step_call:
+            self._step_call = False
+            return None
         if not self.active or self.shard is None:
             return None
         self._check_length(args, kwargs)

@@ -46,8 +46,7 @@ class GPTModule(LightningModule):
         return self.model(idx)
 
     def _logits(self, idx: Tensor, boundaries: dict[str, Tensor]) -> Tensor:
-        # Packed rows' boundaries go to the model itself: context parallelism hands positions to the first module whose
-        # forward takes position_ids, which must be the model (Lightning routes every step through this forward).
+        # Packed rows' boundaries go to the model itself, whose forward takes them (this module's does not).
         return self.model(idx, **boundaries) if boundaries else self(idx)
 
     def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:

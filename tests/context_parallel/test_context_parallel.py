@@ -99,6 +99,18 @@ def test_example_gpt_ring_with_checkpointing_and_validation() -> None:
         assert abs(outs[0]["val"][key] - value) < 1e-5, (key, outs[0]["val"][key], value)
 
 
+@pytest.mark.parametrize("model", ["gpt_positions_in_forward", "gpt_positions_at_root"])
+def test_a_lightning_module_whose_forward_takes_positions(model: str) -> None:
+    """Lightning passes every step through the LightningModule's __call__, so a hook on its forward also sees the
+    step's arguments. Where that forward takes ``position_ids``, positions enter at the model inside that takes
+    them, or, if none does, at that forward when the step calls it."""
+    from tests.test_parity import assert_parity
+    from tests.workloads import fit
+
+    ref = run_ranks(fit, 1, model, None, batch_size=16, sgd=True)[0]
+    assert_parity(ref, run_ranks(fit, 2, model, RING, batch_size=16, sgd=True), dp=1)
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 
 
