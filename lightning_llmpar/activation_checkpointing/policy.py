@@ -23,7 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from lightning_llmpar.activation_checkpointing.memory import held_activation_bytes
 from lightning_llmpar.modeling.structure import find_block_stack
-from lightning_llmpar.training.documents import models_with_cache
+from lightning_llmpar.training.documents import hook_models_with_cache
 
 __all__ = [
     "ActivationCheckpointing",
@@ -314,10 +314,7 @@ def _train_without_cache(module: nn.Module) -> None:
             return None
         return args, {**kwargs, "use_cache": False}
 
-    for model in models_with_cache(module):
-        if not getattr(model, "_llmpar_no_cache_in_training", False):  # once, whatever the number of set-ups
-            model.register_forward_pre_hook(hook, with_kwargs=True)
-            model._llmpar_no_cache_in_training = True
+    hook_models_with_cache(module, hook, "_llmpar_no_cache_in_training")
 
 
 def saved_activation_bytes(fn: Any, *args: Any) -> int:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["apply_document_masking", "document_causal_mask", "document_ids_from_positions", "is_packed",
-           "models_with_cache", "positions_from_documents"]
+           "hook_models_with_cache", "positions_from_documents"]
 
 
 def document_ids_from_positions(position_ids: Tensor) -> Tensor:
@@ -80,17 +80,18 @@ def apply_document_masking(module: nn.Module) -> int:
             kwargs = {k: v for k, v in kwargs.items() if k != "attention_mask"}  # all ones: it says nothing
         return args, {**kwargs, "use_cache": False}
 
-    models = models_with_cache(module)
+    return hook_models_with_cache(module, hook, "_llmpar_document_masking")
+
+
+def hook_models_with_cache(module: nn.Module, hook: Any, flag: str) -> int:
+    """Register ``hook`` (a forward pre-hook with kwargs) once, whatever the number of set-ups (``flag`` marks it), on
+    the transformers models in ``module`` whose forward takes ``use_cache``; returns how many there are."""
+    models = [sub for sub in module.modules() if _is_transformers_model(sub) and "use_cache" in _forward_parameters(sub)]
     for model in models:
-        if not getattr(model, "_llmpar_document_masking", False):  # once, whatever the number of set-ups
+        if not getattr(model, flag, False):
             model.register_forward_pre_hook(hook, with_kwargs=True)
-            model._llmpar_document_masking = True
+            setattr(model, flag, True)
     return len(models)
-
-
-def models_with_cache(module: nn.Module) -> list[nn.Module]:
-    """The transformers models in ``module`` whose forward takes ``use_cache``."""
-    return [sub for sub in module.modules() if _is_transformers_model(sub) and "use_cache" in _forward_parameters(sub)]
 
 
 def _forward_parameters(module: nn.Module) -> set[str]:
