@@ -30,6 +30,7 @@ CASES = [
     ("gpt_moe", {"expert_parallel": 2}, 4, {"tag": "ep2"}),
     ("mixtral", {"expert_parallel": 2}, 4, {"tag": "ep2"}),
     ("qwen3", {"zero_stage": 3, **TOKENS}, 4, {"tag": "dp2_tokens", "padded": True}),
+    ("llama", {"zero_stage": 0}, 4, {"tag": "dp2_replicated"}),  # DDP's hooks clone the step's output
 ]
 
 

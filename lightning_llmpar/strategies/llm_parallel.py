@@ -35,7 +35,7 @@ from lightning_llmpar.strategies.options import BACKENDS, START_METHODS, validat
 from lightning_llmpar.tensor_parallel import Packing
 from lightning_llmpar.tensor_parallel.loss_parallel import LossParallel, split_logits
 from lightning_llmpar.training.batches import train_batch_sizes
-from lightning_llmpar.training.logged_loss import captured_logs, replay_logs, step_loss, true_loss
+from lightning_llmpar.training.logged_loss import captured_logs, replay_logs, step_loss, step_returns, true_loss
 from lightning_llmpar.training.zero_grad import release_unread_grads, zero_grad_follows
 
 if TYPE_CHECKING:
@@ -316,11 +316,14 @@ class LLMParallelStrategy(CheckpointingStrategy):
         with (
             self.precision_plugin.train_step_context(),
             captured_logs(self.lightning_module) as logged,
+            step_returns(self.lightning_module, "training_step") as returned,
             split_logits(self.loss_parallel_heads) as done,
         ):
             output = done(self._step("training_step", *args, **kwargs))
+        # The loss as the step returned it, before the root's hooks (replicated data parallelism clones it).
+        loss = step_loss(returned[-1] if self._runner is None and len(returned) == 1 else output)
         tokens = self._composed.tokens if self._composed is not None else None
-        true = true_loss(self.layout, self._runner, self.context_parallel, tokens, loss := step_loss(output))
+        true = true_loss(self.layout, self._runner, self.context_parallel, tokens, loss)
         replay_logs(self.lightning_module, logged, loss, true)  # the global batch's loss (see training.logged_loss)
         return output
 

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["LoggedCall", "captured_logs", "global_loss", "is_the_loss", "replay_logs", "step_loss", "true_loss"]
+__all__ = ["LoggedCall", "captured_logs", "global_loss", "is_the_loss", "replay_logs", "step_loss", "step_returns",
+           "true_loss"]
 
 
 @dataclass
@@ -58,6 +59,27 @@ def captured_logs(module: nn.Module, keep: Callable[[], bool] = lambda: True) ->
             module.log = previous  # type: ignore[method-assign]
         else:
             del module.log  # the instance attribute shadowed the method
+
+
+@contextmanager
+def step_returns(module: nn.Module, method: str) -> Iterator[list[Any]]:
+    """What ``module.<method>`` returns, kept as it returned it: the root's forward hooks may replace the step's
+    output on its way out (DDP's clones every output tensor), and the logged loss is recognized by identity."""
+    returned: list[Any] = []
+    had, previous, bound = method in module.__dict__, module.__dict__.get(method), getattr(module, method)
+
+    def keep(*args: Any, **kwargs: Any) -> Any:
+        returned.append(out := bound(*args, **kwargs))
+        return out
+
+    setattr(module, method, keep)
+    try:
+        yield returned
+    finally:
+        if had:
+            setattr(module, method, previous)
+        else:
+            delattr(module, method)
 
 
 def step_loss(output: Any) -> Tensor | None:
