@@ -288,8 +288,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
         self._backend.model_to_device()
 
     def _through_root(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        # Route step methods through the root module's __call__ so FSDP2's root hooks (all-gather of the
-        # root's own parameters, backward prefetch set-up) fire even if the step never calls `self(...)`.
+        # Through the root's __call__: FSDP2's root hooks (all-gather, prefetch) fire even if the step never calls it.
         assert self.model is not None and self.lightning_module is not None
         return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
 
@@ -315,13 +314,11 @@ class LLMParallelStrategy(CheckpointingStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with (
             self.precision_plugin.train_step_context(),
-            captured_logs(self.lightning_module) as logged,
-            step_returns(self.lightning_module, "training_step") as returned,
+            captured_logs(self.lightning_module) as logged, step_returns(self.lightning_module, "training_step") as returned,
             split_logits(self.loss_parallel_heads) as done,
         ):
             output = done(self._step("training_step", *args, **kwargs))
-        # The loss as the step returned it, before the root's hooks (replicated data parallelism clones it).
-        loss = step_loss(returned[-1] if self._runner is None and len(returned) == 1 else output)
+        loss = step_loss(output, returned if self._runner is None else None)
         tokens = self._composed.tokens if self._composed is not None else None
         true = true_loss(self.layout, self._runner, self.context_parallel, tokens, loss)
         replay_logs(self.lightning_module, logged, loss, true)  # the global batch's loss (see training.logged_loss)

@@ -82,8 +82,10 @@ def step_returns(module: nn.Module, method: str) -> Iterator[list[Any]]:
             delattr(module, method)
 
 
-def step_loss(output: Any) -> Tensor | None:
-    """The loss a training step returned (a tensor, or a dict's ``loss``)."""
+def step_loss(output: Any, returned: list[Any] | None = None) -> Tensor | None:
+    """The loss a training step returned (a tensor, or a dict's ``loss``): as the step returned it where it ran once
+    (``returned``, from ``step_returns``), since the root's hooks may replace ``output`` (DDP's clone it)."""
+    output = returned[0] if returned is not None and len(returned) == 1 else output
     loss = output.get("loss") if isinstance(output, dict) else output
     return loss if isinstance(loss, Tensor) and loss.numel() == 1 else None
 
