@@ -12,11 +12,22 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-__all__ = ["FineTuneModule", "adamw_warmup_cosine", "random_checkpoint_command"]
+__all__ = ["FineTuneModule", "adamw_warmup_cosine", "random_checkpoint_command", "schedule_length"]
 
 
-def adamw_warmup_cosine(params: Any, lr: float, warmup_steps: int, total_steps: int, **adamw: Any) -> dict[str, Any]:
-    """``configure_optimizers``' return value: AdamW stepped per optimizer step by the schedule."""
+def schedule_length(module: LightningModule, total_steps: int) -> float:
+    """The decay's length in optimizer steps: ``total_steps``, or where it is not set (<= 0: `llmpar fit` links
+    ``trainer.max_steps`` into it, -1 when the run is bounded by epochs) the trainer's own count of the run's
+    optimizer steps (epochs x batches / accumulation); ``inf`` when nothing bounds the run (the peak is held)."""
+    if total_steps > 0:
+        return total_steps
+    trainer = module._trainer
+    return float(trainer.estimated_stepping_batches) if trainer is not None else math.inf
+
+
+def adamw_warmup_cosine(params: Any, lr: float, warmup_steps: int, total_steps: float, **adamw: Any) -> dict[str, Any]:
+    """``configure_optimizers``' return value: AdamW stepped per optimizer step by the schedule (``total_steps``:
+    see ``schedule_length``)."""
     optimizer = torch.optim.AdamW(params, lr=lr, **adamw)
 
     def schedule(step: int) -> float:
@@ -48,8 +59,8 @@ class FineTuneModule(LightningModule):
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        return adamw_warmup_cosine(self.parameters(), hp.learning_rate, hp.warmup_steps, hp.total_steps,
-                                   weight_decay=hp.weight_decay)
+        return adamw_warmup_cosine(self.parameters(), hp.learning_rate, hp.warmup_steps,
+                                   schedule_length(self, hp.total_steps), weight_decay=hp.weight_decay)
 
 
 def random_checkpoint_command(write: Callable[[str, str, int], None]) -> None:

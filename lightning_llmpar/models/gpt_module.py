@@ -7,7 +7,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from torchmetrics.text import Perplexity
 
-from lightning_llmpar.models.finetune import adamw_warmup_cosine
+from lightning_llmpar.models.finetune import adamw_warmup_cosine, schedule_length
 from lightning_llmpar.models.gpt import GPT, GPTConfig
 
 __all__ = ["GPTModule"]
@@ -90,4 +90,5 @@ class GPTModule(LightningModule):
         decay = [p for p in self.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.parameters() if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return adamw_warmup_cosine(groups, hp.learning_rate, hp.warmup_steps, hp.total_steps, betas=(0.9, 0.95))
+        steps = schedule_length(self, hp.total_steps)
+        return adamw_warmup_cosine(groups, hp.learning_rate, hp.warmup_steps, steps, betas=(0.9, 0.95))
