@@ -339,6 +339,9 @@ def test_plan_ranks_fitting_layouts_by_step_time_and_refuses_bad_input(tmp_path:
     assert tiny.best is None
     with pytest.raises(ValueError, match="No layout .* fits 0.5 GB"):
         tiny.write_config(tmp_path / "none.yaml")
+    # From a model alone (no trainer settings), the written config is bounded: 1000 steps, not 1000 epochs.
+    written = yaml.safe_load(result.write_config(tmp_path / "gpt.yaml").read_text())
+    assert written["trainer"]["max_steps"] == 1000 and written["data"]["init_args"]["block_size"] == 1024
 
 
 def test_llmpar_plan_writes_a_config_that_llmpar_fit_trains(tmp_path: Path) -> None:
@@ -354,6 +357,21 @@ def test_llmpar_plan_writes_a_config_that_llmpar_fit_trains(tmp_path: Path) -> N
     config = yaml.safe_load((tmp_path / "best.yaml").read_text())
     assert config["trainer"]["strategy"]["init_args"]["zero_stage"] == best["zero"]
     assert config["model"]["init_args"]["n_embd"] == 128  # single.yaml's model, carried over
+    # So are its run length and other trainer settings (the LR schedule follows max_steps; without it Lightning
+    # trains 1000 epochs), and its data section, with the plan's sequence length and per-rank batch.
+    source = yaml.safe_load((ROOT / "examples/configs/single.yaml").read_text())["trainer"]
+    for key in ("max_steps", "val_check_interval", "limit_val_batches", "log_every_n_steps", "gradient_clip_val"):
+        assert config["trainer"][key] == source[key], key
+    assert config["data"]["init_args"]["block_size"] == 64 and config["trainer"]["devices"] == 2
+    # A file `llmpar plan` did not write (here the source config) is not replaced: refused before planning.
+    user = tmp_path / "mine.yaml"
+    user.write_text((ROOT / "examples/configs/single.yaml").read_text())
+    refused = subprocess.run(
+        [sys.executable, "-m", "lightning_llmpar.cli", "plan", str(user), "--cluster", "cpu", "--global-batch", "8",
+         "--seq", "64", "--write", str(user)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "was not written by `llmpar plan`" in refused.stderr
+    assert user.read_text() == (ROOT / "examples/configs/single.yaml").read_text()
+    assert "fits" not in refused.stdout  # refused before the ranking is printed
     fit = subprocess.run(
         [sys.executable, "-m", "lightning_llmpar.cli", "fit", "--config", "best.yaml", "--trainer.max_steps", "3",
          "--trainer.limit_val_batches", "0", "--data.max_bytes", "200000", "--trainer.logger", "false",

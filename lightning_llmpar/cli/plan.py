@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from lightning_llmpar.planner.cluster import CLUSTERS, cluster_from
+from lightning_llmpar.planner.config import check_writable
 from lightning_llmpar.planner.search import plan
 
 __all__ = ["plan_command"]
@@ -41,6 +42,8 @@ def plan_command(args: list[str]) -> int:
     microbatching) of a model on a cluster by predicted step time among those whose predicted per-device peak
     memory fits; print them and optionally write the best as a `llmpar fit` config."""
     opts = _parser().parse_args(args)
+    if opts.write:
+        check_writable(opts.write)  # before planning, not after
     cluster = cluster_from(
         opts.cluster, gpus_per_node=opts.gpus_per_node, nodes=opts.nodes, memory_gb=opts.memory_gb,
         peak_tflops=opts.peak_tflops, hbm_gbps=opts.hbm_gbps, intra_node_gbps=opts.intra_node_gbps,

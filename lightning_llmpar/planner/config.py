@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol
 
 import yaml
@@ -21,6 +22,7 @@ class Plan(Protocol):
     precision: Precision
     global_batch: int
     seq: int
+    source: dict[str, Any]
 
 
 class PlannedLayout(Protocol):
@@ -28,7 +30,45 @@ class PlannedLayout(Protocol):
     time: TimeEstimate
     memory: MemoryEstimate
 
-__all__ = ["fit_config", "strategy_args"]
+__all__ = ["check_writable", "fit_config", "source_sections", "strategy_args"]
+
+# Trainer settings a plan decides; the source config's others (the run's length, logging, validation) are kept.
+_PLANNED = {"accelerator", "devices", "num_nodes", "strategy", "precision", "plugins", "accumulate_grad_batches"}
+_CORPUS = "lightning_llmpar.data.CorpusDataModule"
+HEADER = "# Written by `llmpar plan`"  # how a config the planner may replace begins
+
+
+def source_sections(model: Any) -> dict[str, Any]:
+    """The sections other than ``model:`` of the `llmpar fit` YAML a plan is made from (empty for other sources)."""
+    path = Path(model) if isinstance(model, (str, Path)) else None
+    if path is None or path.suffix not in (".yaml", ".yml") or not path.is_file():
+        return {}
+    loaded = yaml.safe_load(path.read_text()) or {}
+    return {key: value for key, value in loaded.items() if key != "model"}
+
+
+def check_writable(path: str | Path) -> Path:
+    """``path``, refused if it names a file `llmpar plan` did not write (a user's config, often the source)."""
+    path = Path(path)
+    if path.exists() and not (path.is_file() and path.read_text(errors="replace").startswith(HEADER)):
+        raise ValueError(f"{path} exists and was not written by `llmpar plan`: give --write a new file name.")
+    return path
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list) else [] if value is None else [value]
+
+
+def _data_section(source: Any, block_size: int, batch_size: int) -> dict[str, Any]:
+    """The source's data section (default: the bundled corpus) with the plan's batch and, where it takes one,
+    sequence length."""
+    source = dict(source or {})
+    class_path = source.pop("class_path", _CORPUS)
+    args = dict(source.pop("init_args", {}) or {}) if "init_args" in source else source
+    if class_path == _CORPUS or "block_size" in args:
+        args["block_size"] = block_size
+    args["batch_size"] = batch_size
+    return {"class_path": class_path, "init_args": args}
 
 
 def strategy_args(c: Candidate) -> dict[str, Any]:
@@ -55,6 +95,8 @@ def fit_config(plan: Plan, row: PlannedLayout) -> str:
     """YAML text for ``row``: the data module's batch is one data-parallel rank's share of the global batch
     (a pipeline splits it into microbatches; without one, gradients accumulate over ``microbatches``)."""
     c = row.candidate
+    source = plan.source
+    kept = {k: v for k, v in (source.get("trainer") or {}).items() if k not in _PLANNED}
     trainer: dict[str, Any] = {
         "accelerator": "gpu" if plan.cluster.device == "cuda" else "cpu",
         "devices": plan.cluster.gpus_per_node,
@@ -69,23 +111,34 @@ def fit_config(plan: Plan, row: PlannedLayout) -> str:
                                "init_args": {"recipe": recipe, "float8_all_gather": recipe == "tensorwise"}}]
     if c.pp == 1 and c.microbatches > 1:
         trainer["accumulate_grad_batches"] = c.microbatches
+    trainer.update(kept)
     if c.checkpointing != "none":
         # torchtitan's op policy is nearest to keeping every matmul's output; every 2nd block is every_k.
         ac = {"selective_op": {"mode": "selective", "save": "attention_and_matmuls"},
               "every_2": {"mode": "every_k", "every": 2}}.get(c.checkpointing, {"mode": c.checkpointing})
-        trainer["callbacks"] = [{"class_path": "lightning_llmpar.ActivationCheckpointing", "init_args": ac}]
-    model = dict(plan.spec.fit_model)
+        planned_ac = [{"class_path": "lightning_llmpar.ActivationCheckpointing", "init_args": ac}]
+    else:
+        planned_ac = []
+    # The source's callbacks stay, but its activation checkpointing is the plan's to choose.
+    callbacks = [cb for cb in _as_list(kept.get("callbacks"))
+                 if not str(cb.get("class_path", "") if isinstance(cb, dict) else cb).endswith("ActivationCheckpointing")]
+    trainer.pop("callbacks", None)
+    if callbacks + planned_ac:
+        trainer["callbacks"] = callbacks + planned_ac
+    bounded = any(trainer.get(k) not in (None, -1) for k in ("max_steps", "max_epochs", "max_time"))
+    if not bounded:  # Lightning's default is 1000 epochs; the example modules' schedules default to 1000 steps
+        trainer["max_steps"] = 1000
     per_rank = c.micro_batch * (c.microbatches if c.pp > 1 else 1)
     config = {
-        "seed_everything": 1234,
+        **{k: v for k, v in source.items() if k not in ("trainer", "data")},  # e.g. ckpt_path, optimizer
+        "seed_everything": source.get("seed_everything", 1234),
         "trainer": trainer,
-        "model": model,
-        "data": {"class_path": "lightning_llmpar.data.CorpusDataModule",
-                 "init_args": {"block_size": plan.seq, "batch_size": per_rank}},
+        "model": dict(plan.spec.fit_model),
+        "data": _data_section(source.get("data"), plan.seq, per_rank),
     }
     t, m = row.time, row.memory
     header = (
-        f"# Written by `llmpar plan` for {plan.spec.name} on {plan.cluster.nodes} node(s) x"
+        f"{HEADER} for {plan.spec.name} on {plan.cluster.nodes} node(s) x"
         f" {plan.cluster.gpus_per_node} {plan.cluster.device}\n"
         f"# ({plan.cluster.memory_gb:g} GB each), global batch {plan.global_batch} x {plan.seq} tokens,"
         f" {plan.precision.name}.\n"
@@ -94,7 +147,9 @@ def fit_config(plan: Plan, row: PlannedLayout) -> str:
         f" {t.tokens_per_s:.0f} tokens/s, MFU {t.mfu:.1%}.\n"
         + ("# Async tensor parallelism is assumed by the prediction; the strategy has no such option.\n"
            if c.async_tp else "")
-        + "# The data section is the bundled corpus; put your own DataModule there with the same batch_size.\n"
-        "# Run: llmpar fit --config <this file>\n"
+        + ("# Trainer and data settings not planned are those of the source config.\n" if source else
+           "# The data section is the bundled corpus; put your own DataModule there with the same batch_size.\n")
+        + ("" if bounded else "# trainer.max_steps: 1000 (no length given); set the run's length there.\n")
+        + "# Run: llmpar fit --config <this file>\n"
     )
     return header + yaml.safe_dump(config, sort_keys=False)

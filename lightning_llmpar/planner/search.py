@@ -10,6 +10,7 @@ from typing import Any
 
 from lightning_llmpar.planner.candidate import CHECKPOINTING, Candidate
 from lightning_llmpar.planner.cluster import PRECISIONS, Cluster, Precision, cluster_from
+from lightning_llmpar.planner.config import check_writable, fit_config, source_sections
 from lightning_llmpar.planner.memory import MemoryEstimate, predict_memory
 from lightning_llmpar.planner.spec import ModelSpec, model_spec
 from lightning_llmpar.planner.speed import TimeEstimate, predict_step_time
@@ -108,6 +109,7 @@ class Plan:
     global_batch: int
     seq: int
     layouts: list[PlannedLayout] = field(default_factory=list)
+    source: dict[str, Any] = field(default_factory=dict)  # a source `llmpar fit` YAML's other sections
 
     @property
     def best(self) -> PlannedLayout | None:
@@ -135,8 +137,8 @@ class Plan:
         return json.dumps(self.as_dict(top), indent=2)
 
     def write_config(self, path: str | Path, row: PlannedLayout | None = None) -> Path:
-        """Write ``row`` (default: the best layout) as a config `llmpar fit --config` takes."""
-        from lightning_llmpar.planner.config import fit_config
+        """Write ``row`` (default: the best layout) as a config `llmpar fit --config` takes. An existing file is
+        replaced only if `llmpar plan` wrote it."""
 
         row = row or self.best
         if row is None:
@@ -144,7 +146,7 @@ class Plan:
                 f"No layout of {self.spec.name} fits {self.cluster.memory_gb:g} GB per device at global batch"
                 f" {self.global_batch} x {self.seq}: use more devices or memory, or a smaller batch or sequence."
             )
-        path = Path(path)
+        path = check_writable(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(fit_config(self, row))
         return path
@@ -199,4 +201,4 @@ def plan(
             " global batch divisible by the data-parallel degrees the device count allows."
         )
     rows.sort(key=lambda r: (not r.fits, r.time.step if r.fits else r.memory.peak, r.memory.peak))
-    return Plan(spec, cluster, p, global_batch, seq, rows)
+    return Plan(spec, cluster, p, global_batch, seq, rows, source_sections(model))
