@@ -12,7 +12,12 @@ from lightning_llmpar.checkpointing import (
     load_litgpt_checkpoint,
     save_hf_checkpoint,
 )
-from lightning_llmpar.fault_tolerance import FaultTolerantCheckpoint, ResumableDistributedSampler, StepGuard
+from lightning_llmpar.fault_tolerance import (
+    DataPosition,
+    FaultTolerantCheckpoint,
+    ResumableDistributedSampler,
+    StepGuard,
+)
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.parallelize import ParallelConfig, parallelize
 from lightning_llmpar.planner import plan
@@ -39,6 +44,7 @@ __all__ = [
     "load_litgpt_checkpoint",
     "HFCheckpointExport",
     "FaultTolerantCheckpoint",
+    "DataPosition",
     "StepGuard",
     "ResumableDistributedSampler",
     "ThroughputAndMemory",

@@ -15,6 +15,8 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_llmpar.fault_tolerance.sampler import ResumableDistributedSampler
+
 __all__ = ["CorpusDataModule", "load_corpus", "ordered_loader", "VOCAB_SIZE"]
 
 VOCAB_SIZE = 256
@@ -92,8 +94,13 @@ def ordered_loader(dataset: Dataset, batch_size: int, strategy: Any, drop_last: 
 
 
 class CorpusDataModule(LightningDataModule):
-    """Train/validation split of the corpus; each data-parallel rank gets its share via Lightning's sampler.
-    ``packed``: rows of several documents each (dict batches with restarting ``position_ids``, see _PackedWindows)."""
+    """Train/validation split of the corpus. ``packed``: rows of several documents each (dict batches with
+    restarting ``position_ids``, see _PackedWindows).
+
+    Training batches follow one shuffled order per epoch (``seed`` + epoch) dealt out to the data-parallel ranks, so
+    every layout trains on one process's batches (at the same global batch), and the position in the epoch is
+    saved with checkpoints (``DataPosition``, which `llmpar fit` adds): a run resumed mid-epoch goes on with the
+    epoch's remaining samples."""
 
     def __init__(
         self,
@@ -104,6 +111,7 @@ class CorpusDataModule(LightningDataModule):
         val_fraction: float = 0.05,
         num_workers: int = 0,
         packed: bool = False,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         if not 0.0 < val_fraction < 1.0:
@@ -127,7 +135,10 @@ class CorpusDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True,
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        ranks = getattr(strategy, "distributed_sampler_kwargs", None) or {}  # data-parallel size and rank
+        sampler = ResumableDistributedSampler(self.train_set, shuffle=True, seed=self.hparams.seed, **ranks)
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, sampler=sampler,
                           num_workers=self.hparams.num_workers, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:

@@ -1,6 +1,7 @@
 """Surviving failures: atomic step checkpoints that resume, bad-step guards, a sampler that resumes mid-epoch."""
 
 from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint, StepGuard
+from lightning_llmpar.fault_tolerance.position import DataPosition
 from lightning_llmpar.fault_tolerance.sampler import ResumableDistributedSampler
 
-__all__ = ["FaultTolerantCheckpoint", "StepGuard", "ResumableDistributedSampler"]
+__all__ = ["DataPosition", "FaultTolerantCheckpoint", "StepGuard", "ResumableDistributedSampler"]

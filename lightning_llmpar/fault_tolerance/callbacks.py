@@ -28,8 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from lightning_llmpar.checkpointing.dcp import recover
 from lightning_llmpar.checkpointing.manifest import LINEAGE_KEY, read_manifest, remove_owned
 from lightning_llmpar.checkpointing.scan import checkpoint_problem, legacy_note
-from lightning_llmpar.fault_tolerance.sampler import ResumableDistributedSampler
-from lightning_llmpar.training.batches import batch_size
+from lightning_llmpar.fault_tolerance.position import count_batch, restore_position, resumable_sampler
 
 __all__ = ["FaultTolerantCheckpoint", "StepGuard", "checkpoint_problem", "newest_complete_checkpoint"]
 
@@ -132,50 +131,20 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
         newest = newest_complete_checkpoint(Path(self.dirpath or ""))
         return {str(newest)} if newest is not None else set()
 
-    # -- data position ----------------------------------------------------------------------------
-
-    @staticmethod
-    def _sampler(trainer: Trainer) -> ResumableDistributedSampler | None:
-        loader = trainer.train_dataloader
-        for candidate in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
-            if isinstance(candidate, ResumableDistributedSampler):
-                return candidate
-            inner = getattr(getattr(candidate, "dataset", None), "_sampler", None)  # Lightning's wrapper
-            if isinstance(inner, ResumableDistributedSampler):
-                raise ValueError(
-                    "The ResumableDistributedSampler was wrapped in another distributed sampler, so each rank would see"
-                    " a share of its share and its position would not be saved. Pass it to the DataLoader as `sampler`"
-                    " directly (Lightning then keeps it) and do not wrap it."
-                )
-        return None
+    # -- data position (shared with DataPosition) -----------------------------------------------------
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int) -> None:
-        sampler = self._sampler(trainer)
-        if sampler is not None:
-            # Samples trained on so far this epoch, over all data-parallel ranks.
-            sampler.consumed += batch_size(batch) * sampler.num_replicas
+        count_batch(trainer, batch, idx)  # before the save below, which stores the position
         super().on_train_batch_end(trainer, pl_module, outputs, batch, idx)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._refuse_foreign(trainer)  # after the restore (which sets ckpt_path and the lineage), before step one
-        # Lightning resumes a started epoch without calling on_train_epoch_start, so the restored
-        # position goes into the sampler here, before the first batch of the resumed run is drawn.
-        sampler = self._sampler(trainer)
-        # Any strategy that deals data says how (replica groups on torchft do so with one rank per group too).
-        expected = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
-        if sampler is not None and (sampler.num_replicas, sampler.rank) != (expected["num_replicas"], expected["rank"]):
-            raise ValueError(
-                f"ResumableDistributedSampler(num_replicas={sampler.num_replicas}, rank={sampler.rank}) does not match the"
-                f" data-parallel layout (num_replicas={expected['num_replicas']}, rank={expected['rank']}): ranks would see"
-                " the wrong share of the data. Build it with trainer.strategy.distributed_sampler_kwargs."
-            )
-        if sampler is not None and self._position is not None and self._position["epoch"] == trainer.current_epoch:
-            sampler.load_state_dict(self._position)
+        restore_position(trainer, self._position)
         self._position = None
 
     def state_dict(self) -> dict[str, Any]:
         state = {**super().state_dict(), "lineage": self.lineage}
-        sampler = self._sampler(self._trainer) if getattr(self, "_trainer", None) is not None else None
+        sampler = resumable_sampler(self._trainer) if getattr(self, "_trainer", None) is not None else None
         if sampler is not None:
             state["data_position"] = sampler.state_dict()
         return state
