@@ -10,6 +10,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 
+from lightning_llmpar.callbacks.files import free_stem, run_folder
 from lightning_llmpar.pipeline.stages import bubble_fraction
 
 __all__ = ["PipelineTimeline", "draw_timeline", "bubble_fraction"]
@@ -83,13 +84,14 @@ class PipelineTimeline(Callback):
     def _write(self, trainer: Trainer, ranks: list[dict[str, Any]], step: int) -> None:
         runner = trainer.strategy.pipeline_runner  # type: ignore[attr-defined]
         ckpt = trainer.checkpoint_callback
-        folder = Path(getattr(ckpt, "dirpath", None) or trainer.default_root_dir)
+        folder = Path(getattr(ckpt, "dirpath", None) or run_folder(trainer))  # the run's, with checkpointing off too
         title = (
             f"{runner.schedule_name}: {runner.layout.pp} ranks x {runner.layout.stages_per_rank} stages,"
             f" {runner.microbatches} microbatches (step {step})"
         )
-        png = draw_timeline(ranks, folder / f"pipeline_timeline_step{step}.png", title)
-        (folder / f"pipeline_timeline_step{step}.json").write_text(json.dumps(ranks))
+        stem = free_stem(folder, f"pipeline_timeline_step{step}", (".png", ".json"))  # never over an existing file
+        png = draw_timeline(ranks, stem.with_name(stem.name + ".png"), title)
+        stem.with_name(stem.name + ".json").write_text(json.dumps(ranks))
         self.last_picture = png
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):

@@ -30,6 +30,8 @@ def legacy_note(path: Path) -> str | None:
 def checkpoint_problem(path: Path) -> str | None:
     """Why ``path`` cannot be resumed from (which file, expected vs found), or None if it is complete and intact."""
     path = Path(path).expanduser()
+    if not path.exists():
+        return "it does not exist"
     if not path.is_dir():
         return "not a folder"
     manifest = read_manifest(path)

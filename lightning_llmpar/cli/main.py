@@ -17,10 +17,33 @@ import lightning_llmpar  # noqa: F401 - registers the strategy names
 from lightning_llmpar.callbacks.throughput import ThroughputAndMemory
 from lightning_llmpar.callbacks.timeline import PipelineTimeline
 from lightning_llmpar.cli.progress import step_progress_bar
+from lightning_llmpar.cli.saved_config import KeepingSaveConfig
 from lightning_llmpar.cli.summary import model_summary
 from lightning_llmpar.cli.warnings import quiet_known_warnings
+from lightning_llmpar.fault_tolerance.position import DataPosition
 
 __all__ = ["LLMParCLI", "main", "console"]
+
+
+class _PeriodicCheckpoint(ModelCheckpoint):
+    """The command's default checkpoint: every ``every_n_train_steps`` steps and at the end of training.
+
+    ModelCheckpoint saves ``last`` at the end only when it has never saved, so a run whose length is not a multiple
+    of the period ended with a stale ``last``, which the command reports as the run's checkpoint. The last step is
+    saved where the periodic saves are, at its batch's end: Lightning counts the epoch as finished by the end of
+    training, and a longer run resumed from a checkpoint saved there would start the next epoch's data."""
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        if 0 < trainer.max_steps <= trainer.global_step:
+            self._save_last_now(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._save_last_now(trainer)  # runs that end otherwise: epochs, max_time, early stopping
+
+    def _save_last_now(self, trainer: Trainer) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):  # skipped when this step is saved already
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
 class LLMParCLI(LightningCLI):
@@ -43,7 +66,9 @@ class LLMParCLI(LightningCLI):
         given = [*(given if isinstance(given, list) else [given]), *callbacks]
         extra = list(callbacks)
         if config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in given):
-            extra.append(ModelCheckpoint(dirpath=None, save_last=True, every_n_train_steps=50))
+            extra.append(_PeriodicCheckpoint(dirpath=None, save_last=True, every_n_train_steps=50))
+        if not any(isinstance(c, DataPosition) for c in given):  # a mid-epoch resume goes on with the epoch
+            extra.append(DataPosition())
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
             extra.append(step_progress_bar())
         if config.get("enable_model_summary") is not False and not any(isinstance(c, ModelSummary) for c in given):
@@ -57,6 +82,14 @@ class LLMParCLI(LightningCLI):
                 del logger._wandb_init["anonymous"]
         return trainer
 
+    def before_fit(self) -> None:
+        # A mistyped --ckpt_path is refused here, before any process starts, not after set-up on every rank.
+        path = self.config_init[self.subcommand].get("ckpt_path")
+        if (isinstance(path, str) and path not in ("last", "best", "hpc") and not path.startswith("registry")
+                and not Path(path).expanduser().exists()):
+            raise ValueError(f"--ckpt_path {path}: nothing by that name exists. Give a checkpoint folder the run wrote"
+                             " (e.g. runs/llmpar/<run-id>/checkpoints/last.ckpt), or 'last'.")
+
     def after_fit(self) -> None:
         self._report()
 
@@ -67,6 +100,9 @@ class LLMParCLI(LightningCLI):
         path = getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", "")
         print(f"\nllmpar: layout {getattr(trainer.strategy, 'layout', 'single device')}")
         print(f"llmpar: checkpoint  {Path(path).resolve() if path else '(none written)'}")
+        for callback in trainer.callbacks:
+            if isinstance(callback, KeepingSaveConfig) and callback.saved_path:
+                print(f"llmpar: config      {Path(callback.saved_path).resolve()}")
         for callback in trainer.callbacks:
             if isinstance(callback, PipelineTimeline) and callback.last_picture is not None:
                 print(f"llmpar: timeline    {callback.last_picture.resolve()}")
@@ -91,7 +127,7 @@ def main(args: list[str] | None = None, run: bool = True) -> LLMParCLI:
         subclass_mode_model=True,
         subclass_mode_data=True,
         seed_everything_default=1234,
-        save_config_kwargs={"overwrite": True},
+        save_config_callback=KeepingSaveConfig,
         trainer_defaults={
             "logger": {
                 "class_path": "lightning.pytorch.loggers.WandbLogger",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -174,13 +177,19 @@ def test_cli_runs_without_checkpointing_logger_or_progress_bar(tmp_path: Path) -
     # What the command adds (a periodic checkpoint, a learning-rate monitor, a progress bar) steps aside when the
     # run turns the feature off.
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
-    args = ["fit", "--config", str(ROOT / "examples/configs/single.yaml"), "--trainer.max_steps", "2",
+    # Without a logger the config is saved into the current folder, which holds the user's own config.yaml here.
+    mine = "# my notes\n" + (ROOT / "examples/configs/single.yaml").read_text()
+    (tmp_path / "config.yaml").write_text(mine)
+    args = ["fit", "--config", "config.yaml", "--trainer.max_steps", "2",
             "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "2", "--data.max_bytes", "100000",
             "--trainer.enable_checkpointing=false", "--trainer.logger=false", "--trainer.enable_progress_bar=false"]
     result = subprocess.run([sys.executable, "-m", "lightning_llmpar.cli", *args], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "llmpar: checkpoint  (none written)" in result.stdout
+    assert (tmp_path / "config.yaml").read_text() == mine  # was replaced by the run's config
+    saved = yaml.safe_load((tmp_path / "config-1.yaml").read_text())
+    assert saved["trainer"]["max_steps"] == 2 and f"llmpar: config      {tmp_path / 'config-1.yaml'}" in result.stdout
 
 
 def test_progress_bar_counts_steps_of_a_step_bounded_run() -> None:
@@ -203,17 +212,15 @@ def _logged_losses(tmp_path: Path, name: str, *overrides: str) -> list[float]:
     """`llmpar fit` on single.yaml for 6 steps with a CSV log of every step; the example's train/loss, per step."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     out = tmp_path / name
-    # One process's batches on every rank: dp is 1 in these layouts, and Lightning's sampler (which would draw its
-    # own shuffle) is off, so each rank's loader shuffles with the seed one process has.
+    # One process's batches on every layout: the bundled data deals one shuffled order out to the data-parallel
+    # ranks (Lightning keeps that sampler as it is).
     args = ["fit", "--config", str(ROOT / "examples/configs/single.yaml"), "--trainer.max_steps", "6",
             "--trainer.log_every_n_steps", "1", "--trainer.limit_val_batches", "0", "--data.max_bytes", "300000",
-            "--trainer.use_distributed_sampler", "false", "--trainer.enable_checkpointing", "false",
+            "--trainer.enable_checkpointing", "false",
             "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(out), *overrides]
     result = subprocess.run([sys.executable, "-m", "lightning_llmpar.cli", *args], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    import csv
-
     rows = list(csv.DictReader((next(out.rglob("metrics.csv"))).open()))
     return [float(r["train/loss"]) for r in sorted(rows, key=lambda r: int(r["step"])) if r.get("train/loss")]
 
@@ -224,12 +231,79 @@ def one_process_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 
 
 @pytest.mark.parametrize("layout", [("--trainer.strategy.context_parallel", "2"),
-                                    ("--trainer.strategy.pipeline_parallel", "2")], ids=["cp2", "pp2"])
+                                    ("--trainer.strategy.pipeline_parallel", "2"),
+                                    ("--data.batch_size", "4")], ids=["cp2", "pp2", "dp2"])
 def test_cli_logs_the_loss_one_process_logs(tmp_path: Path, layout: tuple[str, str], one_process_losses: list[float]) -> None:
     # The example logs self.log("train/loss", loss, prog_bar=True) without sync_dist: under context parallelism that
     # was rank 0's part of every sequence (3e-2 off); now what the CSV (and the bar) shows is one process's loss.
+    # dp2 at half the batch is one process's global batch.
     one = one_process_losses
     two = _logged_losses(tmp_path, "two", "--trainer.devices", "2", *layout)
     assert len(one) == len(two) == 6, (one, two)
     for step, (a, b) in enumerate(zip(one, two)):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), f"step {step}: {b} logged at {layout[0]}, one process {a}"
+
+
+def test_final_checkpoint_holds_the_last_step() -> None:
+    # ModelCheckpoint saves `last` at the end only if it never saved; the command's default saves it whenever the
+    # run ends after its last periodic save (60 steps with saves every 50 ended with `last` at step 50).
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_llmpar.cli.main import _PeriodicCheckpoint
+
+    with tempfile.TemporaryDirectory() as folder:
+        checkpoint = _PeriodicCheckpoint(dirpath=folder, save_last=True, every_n_train_steps=4)
+        trainer = Trainer(max_steps=6, logger=False, callbacks=[checkpoint], enable_progress_bar=False,
+                          enable_model_summary=False, limit_val_batches=0)
+        trainer.fit(BoringModel())
+        assert Path(checkpoint.last_model_path).name == "last.ckpt"
+        assert torch.load(checkpoint.last_model_path, weights_only=True)["global_step"] == 6
+
+
+def test_cli_resumes_mid_epoch_on_the_batches_of_an_unstopped_run(tmp_path: Path) -> None:
+    # dp2: each rank's share of one shuffled order. Stopped at step 5 (the end-of-run checkpoint) and resumed with
+    # --ckpt_path, the run goes on with the epoch's next batches: its losses are the unstopped run's. (Before, the
+    # resumed epoch started its data again; the warm-up spans all 10 steps, so the learning rates agree.)
+    def losses(name: str, steps: int, *extra: str) -> tuple[dict[int, float], dict[str, str]]:
+        out = tmp_path / name
+        report = _train_from_single(tmp_path, "--trainer.max_steps", str(steps), "--trainer.log_every_n_steps", "1",
+                                    "--trainer.limit_val_batches", "0", "--trainer.logger",
+                                    "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(out),
+                                    "--model.n_layer", "2", "--model.n_embd", "64", "--data.block_size", "64", *extra)
+        rows = csv.DictReader(next(out.rglob("metrics.csv")).open())
+        return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}, report
+
+    whole, _ = losses("whole", 10)
+    first, report = losses("first", 5)
+    assert torch.load(Path(report["checkpoint"]) / "meta.pt", weights_only=True)["global_step"] == 5
+    rest, _ = losses("rest", 10, "--ckpt_path", report["checkpoint"])
+    assert sorted(first) == [0, 1, 2, 3, 4] and sorted(rest) == [5, 6, 7, 8, 9], (first, rest)
+    for step, loss in {**first, **rest}.items():
+        assert abs(loss - whole[step]) <= 1e-6 * max(1.0, abs(loss)), (step, loss, whole[step])
+
+
+def test_schedule_spans_an_epoch_bounded_run() -> None:
+    # `llmpar fit` links trainer.max_steps into the model's total_steps: -1 for a run bounded by epochs (and in
+    # configs `llmpar plan` wrote), where the cosine used to drop to its 10% floor right after the warm-up.
+    from lightning.pytorch import Callback, Trainer
+
+    from lightning_llmpar.models import GPTModule
+
+    class Rates(Callback):
+        def __init__(self) -> None:
+            self.rates: list[float] = []
+
+        def on_train_batch_start(self, trainer: Trainer, *args: object) -> None:
+            self.rates.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    module = GPTModule(n_layer=1, n_head=2, n_kv_head=1, n_embd=16, block_size=8, learning_rate=1.0, warmup_steps=2,
+                       total_steps=-1)
+    data = torch.utils.data.DataLoader([(torch.zeros(8, dtype=torch.long),) * 2] * 10, batch_size=2)  # 5 batches
+    trainer = Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[rates := Rates()])
+    trainer.fit(module, data)
+    assert len(rates.rates) == 10
+    assert rates.rates[:2] == [0.5, 1.0] and rates.rates[2] == pytest.approx(1.0)  # warm-up, then the peak
+    assert all(a > b for a, b in zip(rates.rates[2:], rates.rates[3:]))  # decaying over the whole run
+    assert rates.rates[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
