@@ -146,6 +146,8 @@ FULL: list[tuple[str, str]] = [
      "DiLoCo between two-rank ZeRO-3 groups (DiLoCo at H=1 with one rank each stays fast)"),
     ("tests/cli/test_cli.py::test_cli_logs_the_loss_one_process_logs[[]pp2]",
      "the logged loss through llmpar fit at pp2 (cp2 stays fast; every layout is fast in test_logged_loss)"),
+    ("tests/cli/test_cli.py::test_cli_logs_the_loss_one_process_logs[[]dp2]",
+     "the logged loss through llmpar fit at dp2 (zero_stage 0 is fast in test_logged_loss; the resume test runs dp2)"),
 ]
 
 
