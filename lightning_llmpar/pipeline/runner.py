@@ -58,7 +58,7 @@ class PipelineRunner:
         self.device, self.schedule_name, self.microbatches = device, schedule, microbatches
         self.stage_modules = {s: StageModule(self, s, parts[s]) for s in sorted(parts)}
         self._accepts: dict[tuple[int, bool], bool] = {}  # (microbatches, training): does the schedule take it
-        self._schedule_in_use: tuple[tuple[int, bool], Any] | None = None
+        self._schedule_in_use: tuple[tuple[int, bool, tuple], Any] | None = None
         self._stages: list[PipelineStage] | None = None
         self._method, self._step_args = "training_step", ()
         self._logged: list[LoggedCall] = []
@@ -159,12 +159,12 @@ class PipelineRunner:
     def _build_schedule(self, microbatches: int, training: bool) -> Any:
         return build_schedule(self.schedule_name, self._build_stages(), microbatches, self._loss, self.layout, training)
 
-    def _schedule(self, microbatches: int, training: bool) -> Any:
-        """The schedule for this step, built afresh whenever the one in use changes. A torch schedule sets the
-        stages up on first use (receive buffers per microbatch, with gradients or not) and records that on itself.
-        The stages are shared: a kept schedule would run on another's buffers (after a validation no gradient
-        reached the earlier stages; after a short batch a full one overran them). torch's ``eval`` does the same."""
-        key = (microbatches, training)
+    def _schedule(self, microbatches: int, training: bool, batch: Any) -> Any:
+        """The schedule for this step, built afresh whenever the one in use or the batch's shapes change: a torch
+        schedule sets the shared stages up on first use (receive buffers of the microbatches' shapes, with gradients
+        or not), so a kept one would run on another's buffers. torch's ``eval`` does the same."""
+        shapes = tuple(tuple(t.shape) for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, Tensor))
+        key = (microbatches, training, shapes)
         if self._schedule_in_use is None or self._schedule_in_use[0] != key:
             self._schedule_in_use = (key, self._build_schedule(microbatches, training))
         return self._schedule_in_use[1]
@@ -261,7 +261,7 @@ class PipelineRunner:
         n_mb = self.microbatches_for(size, training)
         self._method, self._step_args, self._n_mb, self._accumulate = method, step_args, n_mb, accumulate
         self._outputs, self._raw_losses, self._tokens_of = [], [], []
-        schedule = self._schedule(n_mb, training)
+        schedule = self._schedule(n_mb, training, batch)
         placeholder = torch.zeros(size, device=self.device)  # the loss lives in the stage output, not a target
         start = time.perf_counter()
         self.timeline = []
