@@ -25,7 +25,9 @@ CASES = [
     ("titan_untied", {"context_parallel": 2}, 8, {"tag": "cp2"}),  # (inputs, targets) pairs, a ModuleDict stack
     ("qwen3", {"context_parallel": 2}, 8, {"tag": "cp2_padded", "padded": True}),
     ("llama", {"pipeline_parallel": 2}, 8, {"tag": "pp2"}),
-    ("qwen3", {"pipeline_parallel": 2, "pipeline_schedule": "1F1B", **TOKENS}, 8, {"tag": "pp2_tokens", "padded": True}),
+    # Validated after training too: the microbatches' validation losses weighed by their valid labels.
+    ("qwen3", {"pipeline_parallel": 2, "pipeline_schedule": "1F1B", **TOKENS}, 8,
+     {"tag": "pp2_tokens", "padded": True, "validate": True}),
     ("llama", {"tensor_parallel": 2}, 8, {"tag": "tp2"}),
     ("gpt_moe", {"expert_parallel": 2}, 4, {"tag": "ep2"}),
     ("mixtral", {"expert_parallel": 2}, 4, {"tag": "ep2"}),
@@ -66,6 +68,8 @@ def test_logged_loss_is_one_process_loss_at_every_step(name: str, tag: str) -> N
         assert len(logged) == len(expected)
         for step, (got, want) in enumerate(zip(logged, expected)):
             assert abs(got - want) < 1e-5, f"rank {rank} step {step}: logged {got}, one process {want}"
+        if options.get("validate"):
+            assert abs(run["val_loss"] - ref["val_loss"]) < 1e-5, f"rank {rank}: val {run['val_loss']}, one process {ref['val_loss']}"
 
 
 def test_the_loss_is_recognized_as_logged_and_other_values_are_not() -> None:

@@ -269,6 +269,9 @@ class HFCausalLM(LightningModule):
             optimizer.step()
         return loss
 
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.model(**batch).loss)  # the mean over the batch's valid labels
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = list(self.parameters())  # frozen ones get no gradient and no update
         if self.sgd:  # SGD: a wrong gradient scale shows in the loss (Adam would hide it)
@@ -403,6 +406,7 @@ def fit_case(
     samples: int = SAMPLES,
     checkpointing: str | None = None,
     manual: bool = False,
+    validate: bool = False,
 ) -> dict[str, Any]:
     """Train zoo model ``name`` for ``steps``; ``strategy_kwargs=None`` is the one-process reference.
 
@@ -452,6 +456,10 @@ def fit_case(
         module.model.load_state_dict(torch.load(f"{litgpt_pretrained}/lit_model.pth", weights_only=True))
     data = DictTokenData(batch_size, n=samples, padded=padded, pairs=getattr(module, "batch_pairs", False))
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    val_loss = None
+    if validate:  # the logged validation loss after training (rank 0's data: compare layouts without data parallelism)
+        trainer.validate(module, ordered_loader(data.data, batch_size, trainer.strategy), verbose=False)
+        val_loss = float(trainer.callback_metrics["val_loss"])
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     if save_hf is not None:
@@ -483,7 +491,7 @@ def fit_case(
     return {"compiled_frames": counters["frames"]["ok"], "compiled_extern_calls": compiled_extern_calls,
             "losses": record.losses, "grads": record.grads, "held": held / total, "param_dtype": str(dtype),
             "plugin": type(trainer.precision_plugin).__name__, "params": params, "metrics": record.metrics,
-            "kernels": kernels(trainer), "data_parallel": wrapper}
+            "kernels": kernels(trainer), "data_parallel": wrapper, "val_loss": val_loss}
 
 
 def _checkpointing(mode: str | None) -> list[Callback]:

@@ -11,7 +11,6 @@ through the schedule.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -26,10 +25,11 @@ from torch.distributed.pipelining import PipelineStage
 from torchmetrics import Metric
 
 from lightning_llmpar.modeling.ties import TiedCopies
+from lightning_llmpar.pipeline.logs import eval_tokens, summarize_logs
 from lightning_llmpar.pipeline.split import BATCH_KWARG, StageModule, stage_program
 from lightning_llmpar.pipeline.stages import StageLayout, bubble_fraction, build_schedule
 from lightning_llmpar.training.batches import batch_size
-from lightning_llmpar.training.logged_loss import LoggedCall, captured_logs, is_the_loss
+from lightning_llmpar.training.logged_loss import LoggedCall, captured_logs
 from lightning_llmpar.training.loss_normalization import TokenNormalizer
 from lightning_llmpar.training.quiet import frozen_metrics, synced_only
 
@@ -242,6 +242,8 @@ class PipelineRunner:
             self._outputs.append(out)
             if self._method == "training_step":
                 self._raw_losses.append(raw)
+            elif self.tokens is not None and self._method != "predict_step":  # weighs what evaluation logs
+                self._tokens_of.append(eval_tokens(self.tokens, full))
         if self._method == "training_step":
             if self.tokens is not None:
                 n = self.tokens.count(full) if self._inferring else self.tokens.add(full)
@@ -323,25 +325,11 @@ class PipelineRunner:
         # Only the last stage ran the step to the end; average what it logged over microbatches and log the same on
         # every rank, so loggers on rank 0 and sync_dist collectives see it everywhere. Each microbatch's own loss is
         # logged as the step's (the tensor it returns), which the strategy logs as the global batch's (logged_loss).
-        metric_names = {id(m): n for n, m in self.module.named_modules() if isinstance(m, Metric)}
-        summary: list[tuple[str, Any, tuple, dict[str, Any]]] = []
+        summary: list[Any] = []
         if self.is_last:
-            values: dict[str, list[Any]] = defaultdict(list)
-            call_of: dict[str, LoggedCall] = {}
-            for call in self._logged[-self._n_mb * 64 :]:
-                values[call.name].append(call.value)
-                call_of[call.name] = call
-            raws = self._raw_losses[-self._n_mb :]
-            for name, vals in values.items():
-                last, call = vals[-1], call_of[name]
-                if isinstance(last, Metric):
-                    payload: tuple = ("metric", metric_names.get(id(last), ""))
-                elif len(vals) == len(raws) and raws and all(is_the_loss(v, r) for v, r in zip(vals, raws)):
-                    payload = ("loss", None)
-                else:
-                    nums = [float(v.detach().float().mean()) if isinstance(v, Tensor) else float(v) for v in vals[-self._n_mb :]]
-                    payload = ("value", sum(nums) / len(nums))
-                summary.append((name, payload, call.args, call.kwargs))
+            metric_names = {id(m): n for n, m in self.module.named_modules() if isinstance(m, Metric)}
+            summary = summarize_logs(self._logged[-self._n_mb * 64 :], self._n_mb, self._raw_losses[-self._n_mb :],
+                                     self._tokens_of[-self._n_mb :] if self.tokens is not None else [], metric_names)
         box = [summary]
         dist.broadcast_object_list(box, group=self.pp_group, group_src=self.last_rank)
         for name, (kind, payload), args, kwargs in box[0]:

@@ -210,8 +210,8 @@ class LLMParallelStrategy(CheckpointingStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dp_mesh = self._dp_mesh
-        assert dp_mesh is not None
+        if (dp_mesh := self._dp_mesh) is None:
+            raise RuntimeError("Data-parallel size and rank exist once fit sets processes up: use them in *_dataloader hooks.")
         kwargs = {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
         return kwargs if self._replicas is None else self._replicas.sampler_kwargs(kwargs)
 

@@ -22,14 +22,18 @@ IGNORE_INDEX = -100
 
 
 def count_target_tokens(batch: Any) -> int:
-    """Valid targets of a batch: a dict's ``labels`` shifted by one as transformers' causal-LM loss does, or the
-    targets (second element) of an ``(inputs, targets)`` pair; ``-100`` marks ignored positions."""
+    """Valid targets of a batch: a dict's ``labels`` shifted by one as transformers' causal-LM loss does, a dict's
+    ``targets`` (already shifted: the bundled packed rows), or the targets (second element) of an ``(inputs,
+    targets)`` pair; ``-100`` marks ignored positions."""
     if isinstance(batch, dict) and isinstance(batch.get("labels"), Tensor):
         return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
+    if isinstance(batch, dict) and isinstance(batch.get("targets"), Tensor):
+        return int((batch["targets"] != IGNORE_INDEX).sum())
     if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[1], Tensor):
         return int((batch[1] != IGNORE_INDEX).sum())
     raise ValueError(
-        f"loss_normalization='tokens' counts valid targets in a dict's 'labels' or the second element of a tuple; this"
+        f"loss_normalization='tokens' counts valid targets in a dict's 'labels' or 'targets' or the second element of a"
+        f" tuple; this"
         f" {type(batch).__name__} batch has neither. Pass loss_normalization=<callable(batch) -> number of tokens>."
     )
 

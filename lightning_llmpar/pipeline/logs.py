@@ -1,0 +1,58 @@
+"""What the pipeline's last stage logged over a step's microbatches, as one value per name for every rank.
+
+Only the last stage runs the step to the end, once per microbatch. Each name's values become one: a torchmetrics
+``Metric`` stays itself (it accumulated every microbatch), the step's own loss stays "the loss" (the runner logs the
+step's loss, which the strategy then logs as the global batch's), and any other value is the mean over the
+microbatches: weighed by each microbatch's valid targets under ``loss_normalization='tokens'`` (so a per-token mean,
+such as a validation loss over padded or packed rows, is the batch's, as one process logs it), else equally.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from torch import Tensor
+from torchmetrics import Metric
+
+from lightning_llmpar.training.logged_loss import LoggedCall, is_the_loss
+
+__all__ = ["eval_tokens", "summarize_logs"]
+
+Summary = list[tuple[str, tuple[str, Any], tuple, dict[str, Any]]]
+
+
+def eval_tokens(counter: Any, batch: Any) -> int | None:
+    """An evaluation microbatch's valid targets, or None where its batch holds none to count (evaluation data may
+    come without the targets training counts)."""
+    try:
+        return int(counter.count(batch))
+    except ValueError:
+        return None
+
+
+def summarize_logs(calls: list[LoggedCall], microbatches: int, raw_losses: list[Tensor], weights: list[Any],
+                   metric_names: dict[int, str]) -> Summary:
+    """(name, (kind, payload), args, kwargs) per logged name: kind 'metric' (payload: its module name), 'loss' or
+    'value' (payload: the mean). ``weights``: the microbatches' valid targets (None where not countable), or empty
+    for equal weights."""
+    values: dict[str, list[Any]] = defaultdict(list)
+    call_of: dict[str, LoggedCall] = {}
+    for call in calls:
+        values[call.name].append(call.value)
+        call_of[call.name] = call
+    summary: Summary = []
+    for name, vals in values.items():
+        last, call = vals[-1], call_of[name]
+        if isinstance(last, Metric):
+            payload: tuple[str, Any] = ("metric", metric_names.get(id(last), ""))
+        elif len(vals) == len(raw_losses) and raw_losses and all(is_the_loss(v, r) for v, r in zip(vals, raw_losses)):
+            payload = ("loss", None)
+        else:
+            nums = [float(v.detach().float().mean()) if isinstance(v, Tensor) else float(v) for v in vals[-microbatches:]]
+            w = [float(x) for x in weights[-len(nums) :] if x is not None]
+            if len(w) != len(nums) or sum(w) <= 0:  # no count for some microbatch (or none anywhere): equal weights
+                w = [1.0] * len(nums)
+            payload = ("value", sum(n * x for n, x in zip(nums, w)) / sum(w))
+        summary.append((name, payload, call.args, call.kwargs))
+    return summary
