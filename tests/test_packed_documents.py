@@ -221,3 +221,18 @@ def test_transformers_packed_rows_with_an_attention_mask() -> None:
     torch.testing.assert_close(_per_token(model, ones, "hf"), expected, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="pads\\s+too .* Pack without padding"):
         _per_token(model, {**ones, "attention_mask": ones["attention_mask"].tril(8)[:, :SEQ]}, "hf")
+
+
+def test_tokens_normalization_counts_the_bundled_packed_rows() -> None:
+    # loss_normalization='tokens' counts a dict's 'targets' (already shifted, -100 at each document's end), as the
+    # bundled packed rows and the example GPT use them; 'labels' are shifted by one as transformers does.
+    from lightning_llmpar.data import CorpusDataModule
+    from lightning_llmpar.training.loss_normalization import count_target_tokens
+
+    data = CorpusDataModule(block_size=64, batch_size=4, max_bytes=20_000, packed=True)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    ignored = int((batch["targets"] == -100).sum())
+    assert ignored > 0 and count_target_tokens(batch) == batch["targets"].numel() - ignored
+    labels = torch.tensor([[5, 6, -100, 7]])
+    assert count_target_tokens({"labels": labels}) == 2 and count_target_tokens((labels, labels)) == 3
