@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -244,21 +245,31 @@ def test_cli_logs_the_loss_one_process_logs(tmp_path: Path, layout: tuple[str, s
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), f"step {step}: {b} logged at {layout[0]}, one process {a}"
 
 
-def test_final_checkpoint_holds_the_last_step() -> None:
-    # ModelCheckpoint saves `last` at the end only if it never saved; the command's default saves it whenever the
-    # run ends after its last periodic save (60 steps with saves every 50 ended with `last` at step 50).
+@pytest.mark.parametrize("stop", ["max_steps", "early_stopping"])
+def test_final_checkpoint_holds_the_last_step_mid_epoch(stop: str) -> None:
+    # ModelCheckpoint saves `last` at the end only if it never saved: a 60-step run with saves every 50 reported
+    # step 50's. And a save at the end of training records the epoch as finished, so a run resumed from it started
+    # the next epoch's data. The command's default saves the last step where the run is known to stop.
     from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import EarlyStopping
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     from lightning_llmpar.cli.main import _PeriodicCheckpoint
 
+    class Model(BoringModel):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val", float(self.global_step))  # rising: early stopping stops at its second validation
+
     with tempfile.TemporaryDirectory() as folder:
         checkpoint = _PeriodicCheckpoint(dirpath=folder, save_last=True, every_n_train_steps=4)
-        trainer = Trainer(max_steps=6, logger=False, callbacks=[checkpoint], enable_progress_bar=False,
-                          enable_model_summary=False, limit_val_batches=0)
-        trainer.fit(BoringModel())
+        callbacks = [checkpoint] + ([EarlyStopping("val", patience=0)] if stop == "early_stopping" else [])
+        trainer = Trainer(max_steps=6 if stop == "max_steps" else 20, logger=False, callbacks=callbacks,
+                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
+                          val_check_interval=3, num_sanity_val_steps=0)
+        trainer.fit(Model())  # 32 batches an epoch
+        saved = torch.load(checkpoint.last_model_path, weights_only=True)
         assert Path(checkpoint.last_model_path).name == "last.ckpt"
-        assert torch.load(checkpoint.last_model_path, weights_only=True)["global_step"] == 6
+        assert (saved["global_step"], saved["epoch"]) == (6, 0), (saved["global_step"], saved["epoch"])
 
 
 def test_cli_resumes_mid_epoch_on_the_batches_of_an_unstopped_run(tmp_path: Path) -> None:
