@@ -15,6 +15,7 @@ from lightning_llmpar.checkpointing import (
 from lightning_llmpar.fault_tolerance import (
     DataPosition,
     FaultTolerantCheckpoint,
+    ResumableDataLoader,
     ResumableDistributedSampler,
     StepGuard,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "DataPosition",
     "StepGuard",
     "ResumableDistributedSampler",
+    "ResumableDataLoader",
     "ThroughputAndMemory",
     "PipelineTimeline",
     "verify_parity",

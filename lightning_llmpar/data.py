@@ -15,7 +15,7 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_llmpar.fault_tolerance.sampler import ResumableDistributedSampler
+from lightning_llmpar.fault_tolerance.sampler import ResumableDataLoader, ResumableDistributedSampler
 
 __all__ = ["CorpusDataModule", "load_corpus", "ordered_loader", "VOCAB_SIZE"]
 
@@ -138,9 +138,12 @@ class CorpusDataModule(LightningDataModule):
         strategy = self.trainer.strategy if self.trainer is not None else None
         ranks = getattr(strategy, "distributed_sampler_kwargs", None) or {}  # data-parallel size and rank
         sampler = ResumableDistributedSampler(self.train_set, shuffle=True, seed=self.hparams.seed, **ranks)
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, sampler=sampler,
-                          num_workers=self.hparams.num_workers, drop_last=True)
+        return ResumableDataLoader(self.train_set, batch_size=self.hparams.batch_size, sampler=sampler,
+                                   num_workers=self.hparams.num_workers, drop_last=True, trainer=self.trainer)
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers)
+
+    # `llmpar test` and `llmpar predict` read the held-out split too (predictions: the next token at each position).
+    test_dataloader = predict_dataloader = val_dataloader

@@ -52,6 +52,22 @@ class _PeriodicCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
+def _newest_run_checkpoint(trainer: Trainer) -> Path | None:
+    """For ``--ckpt_path last`` with the command's default checkpoint, which writes into each run's own folder
+    (``save_dir/name/<run>/checkpoints``), where Lightning looks for "last" only in this run's (new, empty) one: the
+    newest complete ``last`` checkpoint of the runs beside it. None without a logger (one folder for every run,
+    where Lightning finds it) or with a checkpoint callback of the user's."""
+    from lightning_llmpar.checkpointing.scan import checkpoint_problem
+
+    ckpt = trainer.checkpoint_callback
+    if not isinstance(ckpt, _PeriodicCheckpoint) or ckpt.dirpath is not None or not trainer.loggers:
+        return None
+    logger = trainer.loggers[0]
+    runs = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name)
+    found = [p for p in runs.glob("*/checkpoints/last*.ckpt") if p.is_file() or checkpoint_problem(p) is None]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
 class LLMParCLI(LightningCLI):
     """Any LightningModule and DataModule (``--model my_pkg.MyModule --data my_pkg.MyData``); the example GPT and
     the offline corpus are the defaults, so configs that only set their arguments keep working."""
@@ -91,6 +107,9 @@ class LLMParCLI(LightningCLI):
     def before_fit(self) -> None:
         # A mistyped --ckpt_path is refused here, before any process starts, not after set-up on every rank.
         path = self.config_init[self.subcommand].get("ckpt_path")
+        if path == "last" and (newest := _newest_run_checkpoint(self.trainer)) is not None:
+            print(f"llmpar: resuming from {newest}, the newest complete checkpoint of an earlier run")
+            self.config_init[self.subcommand]["ckpt_path"] = path = str(newest)
         if (isinstance(path, str) and path not in ("last", "best", "hpc") and not path.startswith("registry")
                 and not Path(path).expanduser().exists()):
             raise ValueError(f"--ckpt_path {path}: nothing by that name exists. Give a checkpoint folder the run wrote"

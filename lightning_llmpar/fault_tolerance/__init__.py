@@ -2,6 +2,6 @@
 
 from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint, StepGuard
 from lightning_llmpar.fault_tolerance.position import DataPosition
-from lightning_llmpar.fault_tolerance.sampler import ResumableDistributedSampler
+from lightning_llmpar.fault_tolerance.sampler import ResumableDataLoader, ResumableDistributedSampler
 
-__all__ = ["DataPosition", "FaultTolerantCheckpoint", "StepGuard", "ResumableDistributedSampler"]
+__all__ = ["DataPosition", "FaultTolerantCheckpoint", "StepGuard", "ResumableDataLoader", "ResumableDistributedSampler"]

@@ -6,9 +6,9 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
-__all__ = ["ResumableDistributedSampler"]
+__all__ = ["ResumableDataLoader", "ResumableDistributedSampler"]
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -57,3 +57,26 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.consumed, self.seed = state["epoch"], state["consumed"], state["seed"]
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader over a ``ResumableDistributedSampler`` whose position Lightning keeps with its loop state (a
+    stateful loader) and gives back before the loader's iterator exists: a loader with workers draws its first
+    indices when the iterator is made, before any callback could move the sampler. ``trainer`` (whose epoch the
+    restore follows) is the one the loader is built for; a position of another epoch starts that epoch afresh."""
+
+    def __init__(self, *args: Any, trainer: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.sampler, ResumableDistributedSampler):
+            raise ValueError(f"ResumableDataLoader needs a ResumableDistributedSampler, not {type(self.sampler).__name__}.")
+        self._trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        epoch = getattr(self._trainer, "current_epoch", state["epoch"])
+        if state["epoch"] == epoch:
+            self.sampler.load_state_dict(state)
+        else:  # the saved epoch was finished: this one starts at its beginning, in its own order
+            self.sampler.set_epoch(epoch)

@@ -41,6 +41,7 @@ class GPTModule(LightningModule):
             )
         )
         self.val_ppl = Perplexity(ignore_index=-100)
+        self.test_ppl = Perplexity(ignore_index=-100)
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(idx)
@@ -72,11 +73,17 @@ class GPTModule(LightningModule):
         return loss
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_ppl)
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_ppl)
+
+    def _evaluate(self, batch: Batch, stage: str, ppl: Perplexity) -> None:
         x, y, boundaries = self._unpack(batch)
         logits = self._logits(x, boundaries)
-        self.val_ppl.update(logits.float(), y)
-        self.log("val/loss", self._loss(logits, y), sync_dist=True)
-        self.log("val/ppl", self.val_ppl, prog_bar=True)
+        ppl.update(logits.float(), y)
+        self.log(f"{stage}/loss", self._loss(logits, y), sync_dist=True)
+        self.log(f"{stage}/ppl", ppl, prog_bar=True)
 
     def predict_step(self, batch: Batch | Tensor, batch_idx: int) -> Tensor:
         if isinstance(batch, dict):

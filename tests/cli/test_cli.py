@@ -274,21 +274,23 @@ def test_final_checkpoint_holds_the_last_step_mid_epoch(stop: str) -> None:
 
 def test_cli_resumes_mid_epoch_on_the_batches_of_an_unstopped_run(tmp_path: Path) -> None:
     # dp2: each rank's share of one shuffled order. Stopped at step 5 (the end-of-run checkpoint) and resumed with
-    # --ckpt_path, the run goes on with the epoch's next batches: its losses are the unstopped run's. (Before, the
-    # resumed epoch started its data again; the warm-up spans all 10 steps, so the learning rates agree.)
-    def losses(name: str, steps: int, *extra: str) -> tuple[dict[int, float], dict[str, str]]:
-        out = tmp_path / name
+    # --ckpt_path last, the run goes on with the epoch's next batches: its losses are the unstopped run's. (Before,
+    # the resumed epoch started its data again, and "last" found nothing in the new run's folder; the warm-up spans
+    # all 10 steps, so the learning rates agree.)
+    def losses(name: str, steps: int, *extra: str, folder: str = "") -> tuple[dict[int, float], dict[str, str]]:
+        out = tmp_path / (folder or name)
         report = _train_from_single(tmp_path, "--trainer.max_steps", str(steps), "--trainer.log_every_n_steps", "1",
                                     "--trainer.limit_val_batches", "0", "--trainer.logger",
                                     "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(out),
                                     "--model.n_layer", "2", "--model.n_embd", "64", "--data.block_size", "64", *extra)
-        rows = csv.DictReader(next(out.rglob("metrics.csv")).open())
+        rows = csv.DictReader(sorted(out.rglob("metrics.csv"))[-1].open())  # this run's version
         return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}, report
 
     whole, _ = losses("whole", 10)
     first, report = losses("first", 5)
     assert torch.load(Path(report["checkpoint"]) / "meta.pt", weights_only=True)["global_step"] == 5
-    rest, _ = losses("rest", 10, "--ckpt_path", report["checkpoint"])
+    # With a worker process, which draws indices as soon as the loader's iterator exists (before any callback).
+    rest, _ = losses("rest", 10, "--ckpt_path", "last", "--data.num_workers", "1", folder="first")
     assert sorted(first) == [0, 1, 2, 3, 4] and sorted(rest) == [5, 6, 7, 8, 9], (first, rest)
     for step, loss in {**first, **rest}.items():
         assert abs(loss - whole[step]) <= 1e-6 * max(1.0, abs(loss)), (step, loss, whole[step])
@@ -318,3 +320,18 @@ def test_schedule_spans_an_epoch_bounded_run() -> None:
     assert rates.rates[:2] == [0.5, 1.0] and rates.rates[2] == pytest.approx(1.0)  # warm-up, then the peak
     assert all(a > b for a, b in zip(rates.rates[2:], rates.rates[3:]))  # decaying over the whole run
     assert rates.rates[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
+
+
+@pytest.mark.parametrize("subcommand", ["test", "predict"])
+def test_test_and_predict_run_on_the_default_model_and_data(subcommand: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # They failed after start-up: the example GPT had no test_step, the corpus no test or predict loader.
+    monkeypatch.chdir(tmp_path)
+    cli = main([subcommand, "--config", str(ROOT / "examples/configs/single.yaml"), "--trainer.logger", "false",
+                "--model.n_layer", "1", "--model.n_embd", "32", "--data.block_size", "32", "--data.max_bytes", "40000",
+                f"--trainer.limit_{subcommand}_batches", "2", "--trainer.enable_progress_bar", "false"])
+    if subcommand == "test":
+        assert {"test/loss", "test/ppl"} <= set(cli.trainer.callback_metrics)
+    else:
+        predictions = cli.trainer.predict_loop.predictions
+        assert len(predictions) == 2 and predictions[0].shape == (8, 32)  # the next token at each position
