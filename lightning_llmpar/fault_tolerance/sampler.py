@@ -67,14 +67,15 @@ class ResumableDataLoader(DataLoader):
 
     def __init__(self, *args: Any, trainer: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if not isinstance(self.sampler, ResumableDistributedSampler):
-            raise ValueError(f"ResumableDataLoader needs a ResumableDistributedSampler, not {type(self.sampler).__name__}.")
         self._trainer = trainer
 
     def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
+        # Another sampler (Lightning swaps in a sequential one for overfit_batches) has no position.
+        return self.sampler.state_dict() if isinstance(self.sampler, ResumableDistributedSampler) else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state or not isinstance(self.sampler, ResumableDistributedSampler):
+            return
         epoch = getattr(self._trainer, "current_epoch", state["epoch"])
         if state["epoch"] == epoch:
             self.sampler.load_state_dict(state)

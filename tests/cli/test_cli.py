@@ -335,3 +335,14 @@ def test_test_and_predict_run_on_the_default_model_and_data(subcommand: str, tmp
     else:
         predictions = cli.trainer.predict_loop.predictions
         assert len(predictions) == 2 and predictions[0].shape == (8, 32)  # the next token at each position
+
+
+def test_overfit_batches_runs_on_the_bundled_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Lightning swaps a sequential sampler into the resumable loader for overfit_batches; the loader then has no
+    # position to keep (it refused that sampler).
+    monkeypatch.chdir(tmp_path)
+    cli = main(["fit", "--config", str(ROOT / "examples/configs/single.yaml"), "--trainer.logger", "false",
+                "--model.n_layer", "1", "--model.n_embd", "32", "--data.block_size", "32", "--data.max_bytes", "40000",
+                "--trainer.overfit_batches", "2", "--trainer.max_steps", "3", "--trainer.val_check_interval", "1",
+                "--trainer.enable_progress_bar", "false"])
+    assert cli.trainer.global_step == 3
