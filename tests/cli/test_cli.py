@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -322,11 +323,25 @@ def test_schedule_spans_an_epoch_bounded_run() -> None:
     assert rates.rates[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
 
 
-@pytest.mark.parametrize("subcommand", ["test", "predict"])
-def test_test_and_predict_run_on_the_default_model_and_data(subcommand: str, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    # They failed after start-up: the example GPT had no test_step, the corpus no test or predict loader.
+@pytest.fixture
+def in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A one-device run of the command inside the test process, which leaves nothing behind: the strategy's process
+    group and the launcher's variables (MASTER_PORT, ...) would reach later tests and their subprocesses."""
+    environ = dict(os.environ)
     monkeypatch.chdir(tmp_path)
+    try:
+        yield
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+@pytest.mark.parametrize("subcommand", ["test", "predict"])
+@pytest.mark.usefixtures("in_process")
+def test_test_and_predict_run_on_the_default_model_and_data(subcommand: str) -> None:
+    # They failed after start-up: the example GPT had no test_step, the corpus no test or predict loader.
     cli = main([subcommand, "--config", str(ROOT / "examples/configs/single.yaml"), "--trainer.logger", "false",
                 "--model.n_layer", "1", "--model.n_embd", "32", "--data.block_size", "32", "--data.max_bytes", "40000",
                 f"--trainer.limit_{subcommand}_batches", "2", "--trainer.enable_progress_bar", "false"])
@@ -337,10 +352,10 @@ def test_test_and_predict_run_on_the_default_model_and_data(subcommand: str, tmp
         assert len(predictions) == 2 and predictions[0].shape == (8, 32)  # the next token at each position
 
 
-def test_overfit_batches_runs_on_the_bundled_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("in_process")
+def test_overfit_batches_runs_on_the_bundled_data() -> None:
     # Lightning swaps a sequential sampler into the resumable loader for overfit_batches; the loader then has no
     # position to keep (it refused that sampler).
-    monkeypatch.chdir(tmp_path)
     cli = main(["fit", "--config", str(ROOT / "examples/configs/single.yaml"), "--trainer.logger", "false",
                 "--model.n_layer", "1", "--model.n_embd", "32", "--data.block_size", "32", "--data.max_bytes", "40000",
                 "--trainer.overfit_batches", "2", "--trainer.max_steps", "3", "--trainer.val_check_interval", "1",
