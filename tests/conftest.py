@@ -144,10 +144,9 @@ FULL: list[tuple[str, str]] = [
      "a dead lighthouse, then resuming from checkpoints: waits out a 20 s quorum timeout (killed groups heal in the fast set)"),
     ("tests/fault_tolerance/test_torchft.py::test_diloco_groups_part_between_syncs_and_meet_at_each",
      "DiLoCo between two-rank ZeRO-3 groups (DiLoCo at H=1 with one rank each stays fast)"),
-    ("tests/cli/test_cli.py::test_cli_logs_the_loss_one_process_logs[[]pp2]",
-     "the logged loss through llmpar fit at pp2 (cp2 stays fast; every layout is fast in test_logged_loss)"),
-    ("tests/cli/test_cli.py::test_cli_logs_the_loss_one_process_logs[[]dp2]",
-     "the logged loss through llmpar fit at dp2 (zero_stage 0 is fast in test_logged_loss; the resume test runs dp2)"),
+    ("tests/cli/test_cli.py::test_cli_logs_the_loss_one_process_logs*",
+     "the logged loss through llmpar fit at cp2, pp2 and dp2 against one process (every layout is fast in"
+     " test_logged_loss; the fast resume test compares llmpar fit's logged losses at dp2)"),
 ]
 
 
