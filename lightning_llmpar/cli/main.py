@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Mo
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 import lightning_llmpar  # noqa: F401 - registers the strategy names
 from lightning_llmpar.callbacks.throughput import ThroughputAndMemory
@@ -108,7 +108,7 @@ class LLMParCLI(LightningCLI):
         # A mistyped --ckpt_path is refused here, before any process starts, not after set-up on every rank.
         path = self.config_init[self.subcommand].get("ckpt_path")
         if path == "last" and (newest := _newest_run_checkpoint(self.trainer)) is not None:
-            print(f"llmpar: resuming from {newest}, the newest complete checkpoint of an earlier run")
+            rank_zero_info(f"llmpar: resuming from {newest}, the newest complete checkpoint of an earlier run")
             self.config_init[self.subcommand]["ckpt_path"] = path = str(newest)
         if (isinstance(path, str) and path not in ("last", "best", "hpc") and not path.startswith("registry")
                 and not Path(path).expanduser().exists()):
