@@ -40,25 +40,31 @@ class LoggedCall:
 
 
 @contextmanager
+def _shadowed(module: nn.Module, name: str, replacement: Callable[..., Any]) -> Iterator[None]:
+    """``module.<name>`` replaced by an instance attribute for the block; nested replacements each put back what was
+    there before (the pipeline runner's capture inside the strategy's)."""
+    had, previous = name in module.__dict__, module.__dict__.get(name)
+    setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(module, name, previous)
+        else:
+            delattr(module, name)  # the instance attribute shadowed the method
+
+
+@contextmanager
 def captured_logs(module: nn.Module, keep: Callable[[], bool] = lambda: True) -> Iterator[list[LoggedCall]]:
-    """Record ``module.log`` calls instead of logging them (those made while ``keep()`` is true); nested captures
-    (the pipeline runner's inside the strategy's) each put back what was there before."""
+    """Record ``module.log`` calls instead of logging them (those made while ``keep()`` is true)."""
     calls: list[LoggedCall] = []
-    had = "log" in module.__dict__
-    previous = module.__dict__.get("log")
 
     def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if keep():
             calls.append(LoggedCall(name, value, args, kwargs))
 
-    module.log = record  # type: ignore[method-assign]
-    try:
+    with _shadowed(module, "log", record):
         yield calls
-    finally:
-        if had:
-            module.log = previous  # type: ignore[method-assign]
-        else:
-            del module.log  # the instance attribute shadowed the method
 
 
 @contextmanager
@@ -66,20 +72,14 @@ def step_returns(module: nn.Module, method: str) -> Iterator[list[Any]]:
     """What ``module.<method>`` returns, kept as it returned it: the root's forward hooks may replace the step's
     output on its way out (DDP's clones every output tensor), and the logged loss is recognized by identity."""
     returned: list[Any] = []
-    had, previous, bound = method in module.__dict__, module.__dict__.get(method), getattr(module, method)
+    bound = getattr(module, method)
 
     def keep(*args: Any, **kwargs: Any) -> Any:
         returned.append(out := bound(*args, **kwargs))
         return out
 
-    setattr(module, method, keep)
-    try:
+    with _shadowed(module, method, keep):
         yield returned
-    finally:
-        if had:
-            setattr(module, method, previous)
-        else:
-            delattr(module, method)
 
 
 def step_loss(output: Any, returned: list[Any] | None = None) -> Tensor | None:
