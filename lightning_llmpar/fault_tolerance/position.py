@@ -37,9 +37,8 @@ def resumable_sampler(trainer: Trainer) -> ResumableDistributedSampler | None:
 def count_batch(trainer: Trainer, batch: Any, batch_idx: int) -> None:
     """Add a trained batch to the sampler's position, once however many callbacks report it."""
     sampler = resumable_sampler(trainer)
-    if sampler is not None and getattr(sampler, "_counted", None) != (trainer.current_epoch, batch_idx):
-        sampler.consumed += batch_size(batch) * sampler.num_replicas
-        sampler._counted = (trainer.current_epoch, batch_idx)  # type: ignore[attr-defined]
+    if sampler is not None:
+        sampler.advance(batch_size(batch), (trainer.current_epoch, batch_idx))
 
 
 def restore_position(trainer: Trainer, position: dict[str, int] | None) -> None:

@@ -29,6 +29,7 @@ class ResumableDistributedSampler(DistributedSampler):
         self.shuffle, self.seed = shuffle, seed
         self.epoch = 0
         self.consumed = 0  # samples of this epoch already trained on, over all ranks
+        self._advanced_at: Any = None  # the batch last counted (several callbacks may report one batch)
         self.total = (len(dataset) // num_replicas) * num_replicas  # equal share per rank, like drop_last
         # DistributedSampler's own fields, for code that reads them.
         self.drop_last, self.total_size, self.num_samples = True, self.total, self.total // num_replicas
@@ -37,6 +38,12 @@ class ResumableDistributedSampler(DistributedSampler):
         if epoch != self.epoch:
             self.consumed = 0
         self.epoch = epoch
+
+    def advance(self, samples_per_rank: int, batch: Any) -> None:
+        """Count a trained batch of ``samples_per_rank`` on every rank into the position, once per ``batch`` key."""
+        if batch != self._advanced_at:
+            self.consumed += samples_per_rank * self.num_replicas
+            self._advanced_at = batch
 
     def order(self) -> list[int]:
         if not self.shuffle:
