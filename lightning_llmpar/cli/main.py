@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Mo
 from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 import lightning_llmpar  # noqa: F401 - registers the strategy names
@@ -52,6 +54,24 @@ class _PeriodicCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
+def _strategy_from_path(name: str) -> str | Strategy:
+    """``--trainer.strategy lightning_llmpar.LLMParallelStrategy`` alone: jsonargparse keeps a bare class path as a
+    string, the Trainer's strategy name, which Lightning refuses; the class is built with its defaults (as with
+    ``class_path`` and no ``init_args``). Other unknown names go on to Lightning, whose error lists the names."""
+    module, _, attr = name.rpartition(".")
+    if not module:
+        return name
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"--trainer.strategy {name}: neither a registered strategy name nor an importable class"
+                         f" ({err}). Give a name (e.g. llmpar_fsdp) or a class path such as"
+                         " lightning_llmpar.LLMParallelStrategy.") from None
+    if not (isinstance(found, type) and issubclass(found, Strategy)):
+        raise ValueError(f"--trainer.strategy {name}: {found!r} is not a Lightning Strategy class.")
+    return found()
+
+
 def _newest_run_checkpoint(trainer: Trainer) -> Path | None:
     """For ``--ckpt_path last`` with the command's default checkpoint, which writes into each run's own folder
     (``save_dir/name/<run>/checkpoints``), where Lightning looks for "last" only in this run's (new, empty) one: the
@@ -87,6 +107,8 @@ class LLMParCLI(LightningCLI):
         given = config.get("callbacks") or []
         given = [*(given if isinstance(given, list) else [given]), *callbacks]
         extra = list(callbacks)
+        if isinstance(config.get("strategy"), str) and config["strategy"] not in StrategyRegistry:
+            config = {**config, "strategy": _strategy_from_path(config["strategy"])}
         if config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in given):
             extra.append(_PeriodicCheckpoint(dirpath=None, save_last=True, every_n_train_steps=50))
         if not any(isinstance(c, DataPosition) for c in given):  # a mid-epoch resume goes on with the epoch

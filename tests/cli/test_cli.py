@@ -361,3 +361,13 @@ def test_overfit_batches_runs_on_the_bundled_data() -> None:
                 "--trainer.overfit_batches", "2", "--trainer.max_steps", "3", "--trainer.val_check_interval", "1",
                 "--trainer.enable_progress_bar", "false"])
     assert cli.trainer.global_step == 3
+
+
+@pytest.mark.usefixtures("in_process")
+def test_strategy_given_as_a_bare_class_path() -> None:
+    # jsonargparse keeps a class path with no init_args as a string, which Lightning took for an unknown name.
+    args = ["--config", str(ROOT / "examples/configs/3d.yaml"), "--trainer.strategy", "lightning_llmpar.LLMParallelStrategy",
+            "--trainer.devices", "2", "--trainer.logger", "false"]
+    assert isinstance(main(args, run=False).trainer.strategy, LLMParallelStrategy)
+    with pytest.raises(ValueError, match="lightning_llmpar.NoSuchStrategy: neither a registered strategy name"):
+        main([*args[:3], "lightning_llmpar.NoSuchStrategy", *args[4:]], run=False)
