@@ -36,9 +36,13 @@ def resumable_sampler(trainer: Trainer) -> ResumableDistributedSampler | None:
 
 def count_batch(trainer: Trainer, batch: Any, batch_idx: int) -> None:
     """Add a trained batch to the sampler's position, once however many callbacks report it."""
+    _count(trainer, batch_size(batch), batch_idx)
+
+
+def _count(trainer: Trainer, samples_per_rank: int, batch_idx: int) -> None:
     sampler = resumable_sampler(trainer)
     if sampler is not None:
-        sampler.advance(batch_size(batch), (trainer.current_epoch, batch_idx))
+        sampler.advance(samples_per_rank, (trainer.current_epoch, batch_idx))
 
 
 def restore_position(trainer: Trainer, position: dict[str, int] | None) -> None:
@@ -66,6 +70,7 @@ class DataPosition(Callback):
     def __init__(self) -> None:
         self._trainer: Trainer | None = None
         self._position: dict[str, int] | None = None
+        self._current: tuple[int, int] | None = None  # (samples per rank, index) of the batch being trained
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
@@ -74,11 +79,19 @@ class DataPosition(Callback):
         restore_position(trainer, self._position)
         self._position = None
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, idx: int) -> None:
+        self._current = (batch_size(batch), idx)
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int) -> None:
         count_batch(trainer, batch, idx)
 
     def state_dict(self) -> dict[str, Any]:
-        sampler = resumable_sampler(self._trainer) if self._trainer is not None else None
+        trainer = self._trainer
+        sampler = resumable_sampler(trainer) if trainer is not None else None
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current if trainer is not None else None
+        if sampler is not None and self._current is not None and progress.processed > progress.completed:
+            # Saved from another callback's on_train_batch_end that runs before this one's: the batch is trained.
+            _count(trainer, *self._current)
         return {"data_position": sampler.state_dict()} if sampler is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
