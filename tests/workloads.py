@@ -94,6 +94,16 @@ class _PartlyOptimized(GPTModule):
         return torch.optim.SGD([p for n, p in self.named_parameters() if n != self.LEFT_OUT], lr=0.5)
 
 
+class _SteepLoss(GPTModule):
+    """The example GPT on four times its loss: gradient norms above 1 (DeepSpeed's default clipping threshold)."""
+
+    def __init__(self) -> None:
+        super().__init__(**GPT_ARGS)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return 4 * super().training_step(batch, batch_idx)
+
+
 class _PositionsInForward(GPTModule):
     """The example GPT behind a LightningModule whose own forward takes ``position_ids`` too, as wrappers often do."""
 
@@ -126,7 +136,7 @@ class _PositionsAtRoot(_PositionsInForward):
 
 MODELS = {"gpt": make_gpt, "llama": HFLlamaModule, "llama_tied": lambda: HFLlamaModule(tie=True),
           "gpt_extra": lambda: _ExtraParameter(True), "gpt_extra_lenient": lambda: _ExtraParameter(False),
-          "gpt_partly_optimized": _PartlyOptimized, "gpt_positions_in_forward": _PositionsInForward,
+          "gpt_partly_optimized": _PartlyOptimized, "gpt_steep": _SteepLoss, "gpt_positions_in_forward": _PositionsInForward,
           "gpt_positions_at_root": _PositionsAtRoot}
 
 

@@ -124,6 +124,8 @@ def build_deepspeed_config(
     if gradient_clipping is not None:
         _agree(user, "gradient_clipping", gradient_clipping, "gradient_clipping", "Use one value (Trainer gradient_clip_val).")
         config["gradient_clipping"] = gradient_clipping
+    # DeepSpeed's own default clips at norm 1.0; a run without gradient_clip_val (or the config's) must not clip.
+    config.setdefault("gradient_clipping", 0.0)
     if gradient_compression is not None:
         config["optimizer"] = {**user.get("optimizer", {}), "type": DS_COMPRESSION[gradient_compression]}
     config.setdefault("train_micro_batch_size_per_gpu", micro_batch_size)

@@ -40,6 +40,15 @@ def test_deepspeed_accumulation_and_clipping() -> None:
     assert_parity(ref, outs, 2)
 
 
+def test_deepspeed_does_not_clip_unless_asked() -> None:
+    # DeepSpeed's own default is gradient_clipping=1.0: a run without gradient_clip_val clipped every step whose
+    # gradient norm passed 1 (SGD makes the changed step size visible in the weights).
+    ref = reference_for("gpt_steep", sgd=True)
+    norm = torch.stack([g.norm() for g in ref["grads"].values()]).norm()
+    assert norm > 1.0, f"the case needs a gradient norm above DeepSpeed's default clip, got {norm:.3f}"
+    assert_parity(ref, run_ranks(fit, 2, "gpt_steep", {**DS, "zero_stage": 2}, batch_size=GLOBAL_BATCH // 2, sgd=True), 2)
+
+
 def test_deepspeed_checkpoint_resumes_and_exports(tmp_path: Path) -> None:
     samples = 80  # 5 steps an epoch: save at the epoch boundary
     run = lambda world, kw, **k: run_ranks(fit, world, "gpt", kw, batch_size=GLOBAL_BATCH // world, samples=samples, **k)  # noqa: E731
