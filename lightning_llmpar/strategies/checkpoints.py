@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.optim import Optimizer
@@ -18,7 +19,7 @@ from typing_extensions import override
 
 from lightning_llmpar.checkpointing import dcp as ckpt
 from lightning_llmpar.checkpointing.async_save import AsyncSaveHooks
-from lightning_llmpar.checkpointing.manifest import LINEAGE_KEY, remove_owned
+from lightning_llmpar.checkpointing.manifest import LINEAGE_KEY, foreign_files, remove_owned
 from lightning_llmpar.data_parallel.backend import ShardingBackend
 from lightning_llmpar.strategies.mesh import MeshStrategy
 
@@ -82,3 +83,25 @@ class CheckpointingStrategy(AsyncSaveHooks, MeshStrategy):
         self._wait_for_saves()  # it may be the one being written
         if self.is_global_zero:  # only the files its manifest names; anything else stays, with a warning
             remove_owned(Path(filepath).expanduser())
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # ModelCheckpoint(save_last="link") makes `last` a link by deleting whatever the name holds (its own code,
+        # not through this strategy), a user's file or folder included when the version counter (which would pick a
+        # free name) is off.
+        trainer = self.lightning_module.trainer
+        found = []
+        if self.is_global_zero:
+            for cb in trainer.checkpoint_callbacks:
+                linking = isinstance(cb, ModelCheckpoint) and cb.save_last == "link" and cb.save_top_k != 0
+                if linking and cb.dirpath and not cb._enable_version_counter:
+                    last = Path(cb.format_checkpoint_name({}, cb.CHECKPOINT_NAME_LAST))
+                    if not last.is_symlink() and foreign_files(last):
+                        found.append(str(last))
+        if found := self.broadcast(found):
+            raise ValueError(
+                f"ModelCheckpoint(save_last='link') would delete {found[0]}, which this library did not write, to put"
+                " a link in its place. Move it, give the callback another dirpath, or leave"
+                " enable_version_counter on (a free name is then taken)."
+            )

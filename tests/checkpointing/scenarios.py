@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_llmpar import HFCheckpointExport, LLMParallelStrategy, save_hf_checkpoint
 from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint
@@ -50,6 +51,7 @@ def train(
     hf_checkpoint: str | dict[int, str] | None = None,
     strategy: dict[str, Any] | None = None,
     home: str | None = None,
+    model_checkpoint: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fit the small Llama for ``steps`` (one process unless launched on more ranks); errors come back as text."""
     if home is not None:  # where '~' points in this rank
@@ -64,6 +66,8 @@ def train(
         callbacks.append(FaultTolerantCheckpoint(**ftc))
     if hf_export is not None:
         callbacks.append(HFCheckpointExport(**hf_export))
+    if model_checkpoint is not None:
+        callbacks.append(ModelCheckpoint(**model_checkpoint))
     out: dict[str, Any] = {"error": None, "warnings": []}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -73,7 +77,7 @@ def train(
                 accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", "1")),
                 strategy=LLMParallelStrategy(hf_checkpoint=hf_checkpoint, **(strategy or {})), max_steps=steps,
                 logger=False,
-                enable_checkpointing=ftc is not None, enable_progress_bar=False, enable_model_summary=False,
+                enable_checkpointing=ftc is not None or model_checkpoint is not None, enable_progress_bar=False, enable_model_summary=False,
                 num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, use_distributed_sampler=False,
             )
             trainer.fit(module, datamodule=TokenData(4, n=64), ckpt_path=ckpt_path)

@@ -65,6 +65,18 @@ def test_save_checkpoint_onto_a_folder_with_user_files_is_refused(tmp_path: Path
     assert not any(p.name.startswith(".ckpt") for p in tmp_path.iterdir()), "a staging folder was left"
 
 
+def test_last_checkpoint_link_onto_a_users_folder_is_refused(tmp_path: Path) -> None:
+    # Lightning's save_last="link" deletes whatever `last.ckpt` holds to put its link there (version counter off).
+    before = _user_files(tmp_path / "last.ckpt")
+    link = {"dirpath": str(tmp_path), "save_last": "link", "enable_version_counter": False, "every_n_train_steps": 1}
+    out = run_ranks(train, 1, steps=2, model_checkpoint=link)[0]
+    assert out["error"] and out["error"].startswith("ValueError") and "last.ckpt" in out["error"], out["error"]
+    assert {n: (tmp_path / "last.ckpt" / n).read_bytes() for n in before} == before
+    (tmp_path / "last.ckpt").rename(tmp_path / "mine")  # moved away, as the error says: the link is made
+    out = run_ranks(train, 1, steps=2, model_checkpoint=link)[0]
+    assert out["error"] is None and (tmp_path / "last.ckpt").is_symlink(), out["error"]
+
+
 def test_save_checkpoint_twice_and_tilde_paths(tmp_path: Path) -> None:
     # A checkpoint of ours is replaced; '~' is expanded.
     out = run_ranks(train, 1, steps=1, save_ckpt="~/ckpts/a.ckpt", save_hf="~/hf", home=str(tmp_path))[0]
