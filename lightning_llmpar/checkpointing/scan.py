@@ -27,14 +27,22 @@ def legacy_note(path: Path) -> str | None:
             " not for corruption.")
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be resumed from (which file, expected vs found), or None if it is complete and intact."""
+_BACKEND = {"dcp": "fsdp2", "deepspeed": "deepspeed"}  # the sharding backend that writes each checkpoint kind
+
+
+def checkpoint_problem(path: Path, kind: str | None = None) -> str | None:
+    """Why ``path`` cannot be resumed from (which file, expected vs found), or None if it is complete and intact;
+    with ``kind`` (a sharding backend's ``checkpoint_kind``), also when that backend did not write it."""
     path = Path(path).expanduser()
     if not path.exists():
         return "it does not exist"
     if not path.is_dir():
         return "not a folder"
     manifest = read_manifest(path)
+    written = manifest.get("kind") if manifest is not None else ("deepspeed" if (path / "ckpt").is_dir() else "dcp")
+    if kind is not None and written != kind:
+        return (f"sharding_backend={_BACKEND.get(written, written)!r} wrote it ({written!r} files), and this run's"
+                f" sharding_backend={_BACKEND.get(kind, kind)!r} cannot read them")
     if manifest is not None:
         problem = verify_manifest(path, manifest)
         if problem is not None:

@@ -43,8 +43,9 @@ def _step_of(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def newest_complete_checkpoint(folder: Path) -> Path | None:
-    """The highest-step checkpoint in ``folder`` that passes :func:`checkpoint_problem`; warns about the others.
+def newest_complete_checkpoint(folder: Path, kind: str | None = None) -> Path | None:
+    """The highest-step checkpoint in ``folder`` that passes :func:`checkpoint_problem` (written by a backend of
+    checkpoint ``kind`` when given); warns about the others.
 
     A save interrupted between its two renames is finished first (its complete copy put back under its name).
     """
@@ -55,7 +56,7 @@ def newest_complete_checkpoint(folder: Path) -> Path | None:
         recover(folder / _OWN_STAGING.match(leftover.name).group(1))  # type: ignore[union-attr]
     skipped = []
     for path in sorted((p for p in folder.iterdir() if p.name.endswith(".ckpt")), key=_step_of, reverse=True):
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(path, kind)
         if problem is None:
             if skipped:
                 rank_zero_warn(f"Resuming from {path}, the newest complete checkpoint: newer ones were skipped ({', '.join(skipped)}).")
@@ -128,7 +129,8 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
             )
 
     def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
-        newest = newest_complete_checkpoint(Path(self.dirpath or ""))
+        kind = getattr(getattr(trainer.strategy, "_backend", None), "checkpoint_kind", None)
+        newest = newest_complete_checkpoint(Path(self.dirpath or ""), kind)
         return {str(newest)} if newest is not None else set()
 
     # -- data position (shared with DataPosition) -----------------------------------------------------

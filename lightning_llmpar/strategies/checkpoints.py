@@ -70,7 +70,7 @@ class CheckpointingStrategy(AsyncSaveHooks, MeshStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(Path(checkpoint_path).expanduser())))
-        problem, note = self.broadcast(ckpt.verdict(path) if self.is_global_zero else (None, None))  # all ranks alike
+        problem, note = self.broadcast(ckpt.verdict(path, self._backend.checkpoint_kind) if self.is_global_zero else (None, None))  # all ranks alike
         if problem is not None:
             raise ValueError(f"Checkpoint {path} cannot be loaded: {problem}.")
         if note is not None:

@@ -107,6 +107,20 @@ def test_corrupted_newest_checkpoint_is_reported_and_resume_falls_back(first_run
     assert checkpoint_problem(folder / "step=8.ckpt") is None, "the resumed run saves step=8 again, intact"
 
 
+def test_another_backends_checkpoint_is_skipped_on_resume(first_run: Path, tmp_path: Path) -> None:
+    # A DeepSpeed checkpoint (sharding_backend='deepspeed', here as written before manifests) in the folder of an
+    # FSDP2 run: "last" took it, as the newest complete one, and then failed to read it.
+    folder = _copy(first_run, tmp_path)
+    (folder / "step=999.ckpt" / "ckpt").mkdir(parents=True)
+    (folder / "step=999.ckpt" / "ckpt" / "mp_rank_00_model_states.pt").write_bytes(b"not read")
+    out = run_ranks(train, 1, steps=10, ckpt_path="last", ftc={"dirpath": str(folder), **FTC})[0]
+    assert out["error"] is None, out.get("traceback")
+    assert out["steps"][0] == 9, "resume did not skip the other backend's checkpoint for step=8"
+    assert any("step=999.ckpt: sharding_backend='deepspeed' wrote it" in w for w in out["warnings"]), out["warnings"]
+    out = run_ranks(train, 1, steps=10, ckpt_path=str(folder / "step=999.ckpt"))[0]  # by path: refused, with why
+    assert out["error"] and "sharding_backend='fsdp2' cannot read" in out["error"] and out["steps"] == []
+
+
 def test_leftover_old_folder_does_not_break_later_saves(tmp_path: Path) -> None:
     path = tmp_path / "model.ckpt"
     assert run_ranks(train, 1, steps=1, save_ckpt=str(path))[0]["error"] is None
