@@ -242,8 +242,8 @@ def fit(
     if save_to is not None:
         trainer.save_checkpoint(save_to, weights_only=save_weights_only)
     params = {n: full(p).cpu() for n, p in module.named_parameters()}
-    if getattr(trainer.strategy, "engine", None) is not None:
-        from deepspeed.utils import safe_get_full_fp32_param
+    if getattr(trainer.strategy, "engine", None) is not None and trainer.strategy.layout.zero_stage > 0:
+        from deepspeed.utils import safe_get_full_fp32_param  # ZeRO-0 has no fp32 partitions: the module's own
 
         params = {n: safe_get_full_fp32_param(p).detach().clone().cpu() for n, p in module.named_parameters()}
     local_shapes = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in module.named_parameters()}

@@ -367,7 +367,11 @@ def export_consolidated(path: str | Path, output: str | Path, *, weights_only: b
             raise ValueError(_DEEPSPEED_TRUST.format(path=path, call="export_consolidated(path, output, weights_only=False)"))
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        weights = dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag="ckpt"))
+        if any((path / "ckpt").glob("*optim_states.pt")):
+            weights = dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag="ckpt"))
+        else:  # ZeRO-0 keeps no optimizer partitions, which zero_to_fp32 reads: the module's own (whole) weights
+            states = torch.load(path / "ckpt" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+            weights = dict(states["module"])
     else:
         metadata = read_dcp_metadata(path)
         state: dict[str, Any] = {"model": {}}

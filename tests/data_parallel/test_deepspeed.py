@@ -77,6 +77,17 @@ def test_deepspeed_checkpoint_resumes_and_exports(tmp_path: Path) -> None:
         torch.testing.assert_close(p.detach(), first[0]["params"][name], atol=0, rtol=0)
 
 
+def test_deepspeed_zero0_checkpoint_exports(tmp_path: Path) -> None:
+    # ZeRO-0 writes no optimizer partitions, which DeepSpeed's zero_to_fp32 needs (it failed with a TypeError).
+    path = tmp_path / "ds0.ckpt"
+    out = run_ranks(fit, 2, "gpt", {**DS, "zero_stage": 0}, batch_size=GLOBAL_BATCH // 2, steps=2, save_to=str(path))
+    weights = torch.load(export_consolidated(path, tmp_path / "model.pt", weights_only=False), weights_only=True)
+    module = make_gpt()
+    module.load_state_dict(weights, strict=True)
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(p.detach(), out[0]["params"][name], atol=0, rtol=0)
+
+
 def test_user_config_is_merged() -> None:
     user = {"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 1000}, "wall_clock_breakdown": False}
     config = build_deepspeed_config(zero_stage=2, user_config=user, offload_optimizer="cpu", gradient_clipping=1.0, accumulate=4)
