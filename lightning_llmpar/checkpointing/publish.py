@@ -1,9 +1,9 @@
 """Putting a staged export in place: a whole folder swapped atomically, or files written beside a user's.
 
-``save_hf_checkpoint`` into a model folder that also holds the user's tokenizer, README and data replaces only
-the files it writes (weights, config, index) and removes only files its previous export wrote (its manifest
-lists them). Weight files it did not write and would not replace are refused: ``from_pretrained`` would read
-them with, or instead of, the new ones.
+``save_hf_checkpoint`` into a folder that also holds the user's tokenizer, README and data writes beside them: it
+replaces and removes only files its previous export wrote (its manifest lists them). A file of the same name as
+one it writes (the weights or config of the model the run started from) is refused, and so are weight files it
+would not replace: ``from_pretrained`` would read them with, or instead of, the new ones.
 """
 
 from __future__ import annotations
@@ -43,7 +43,13 @@ def publish(staging: Path, path: Path, kind: str) -> str | None:
     previous = read_manifest(path)
     old = dict(previous["files"]) if previous is not None else {}
     new = _files(staging)
-    stale = [n for n in _files(path) if n not in old and n not in new and "/" not in n and _WEIGHTS.search(n)]
+    theirs = [n for n in _files(path) if n not in old]
+    replaced = [n for n in theirs if n in new]
+    if replaced:
+        remove_tree(staging)
+        return (f"{path} holds {', '.join(replaced[:5])}, which this export would replace and did not write (the"
+                " model you started from?). Export to another folder, or move those files away.")
+    stale = [n for n in theirs if "/" not in n and _WEIGHTS.search(n)]
     if stale:
         remove_tree(staging)
         return (f"{path} holds weight files this export would neither write nor replace ({', '.join(stale[:5])});"

@@ -23,24 +23,36 @@ def _user_files(folder: Path) -> dict[str, bytes]:
     return files
 
 
-def test_save_hf_checkpoint_into_a_model_folder_keeps_the_users_files(tmp_path: Path) -> None:
+def test_save_hf_checkpoint_into_a_folder_keeps_the_users_files(tmp_path: Path) -> None:
     model = tmp_path / "model"
-    run_ranks(save_pretrained_llama, 1, str(model))
     before = _user_files(model)
-    out = run_ranks(train, 1, steps=2, save_hf=str(model), hf_export={"dirpath": str(tmp_path / "clean")})[0]
-    assert out["error"] is None, out.get("traceback")
-    for name, content in before.items():
-        assert (model / name).read_bytes() == content, f"{name} was deleted or changed"
-    # The weights were replaced: the folder loads as the trained model, exactly as a clean export does.
+    for _ in range(2):  # the second export replaces the first one's files
+        out = run_ranks(train, 1, steps=2, save_hf=str(model), hf_export={"dirpath": str(tmp_path / "clean")})[0]
+        assert out["error"] is None, out.get("traceback")
+        for name, content in before.items():
+            assert (model / name).read_bytes() == content, f"{name} was deleted or changed"
     manifest = json.loads((model / MANIFEST).read_text())
     assert "model.safetensors" in manifest["files"] and "tokenizer.json" not in manifest["files"]
     ours, clean = run_ranks(logits, 1, str(model))[0], run_ranks(logits, 1, str(tmp_path / "clean" / "final"))[0]
     torch.testing.assert_close(ours, clean, atol=0, rtol=0)
 
 
+def test_save_hf_checkpoint_into_the_pretrained_folder_is_refused(tmp_path: Path) -> None:
+    # It replaced the weights and generation config the run started from (save_pretrained wrote them, not it).
+    model = tmp_path / "model"
+    run_ranks(save_pretrained_llama, 1, str(model))
+    _user_files(model)
+    before = {str(p.relative_to(model)): p.read_bytes() for p in model.rglob("*") if p.is_file()}
+    out = run_ranks(train, 1, steps=1, hf_checkpoint=str(model), save_hf=str(model))[0]
+    assert out["error"] and "model.safetensors" in out["error"] and "would replace and did not write" in out["error"]
+    assert {str(p.relative_to(model)): p.read_bytes() for p in model.rglob("*") if p.is_file()} == before
+
+
 def test_save_hf_checkpoint_refuses_weights_it_would_leave_stale(tmp_path: Path) -> None:
     model = tmp_path / "model"
     run_ranks(save_pretrained_llama, 1, str(model), shards=True)  # model-0000k-of-0000n + index, not ours
+    for name in ("config.json", "generation_config.json"):  # files it would replace are refused first
+        (model / name).unlink()
     shards = sorted(p.name for p in model.iterdir())
     out = run_ranks(train, 1, steps=1, save_hf=str(model))[0]
     assert out["error"] and "weight files this export would neither write nor replace" in out["error"]
