@@ -34,8 +34,9 @@ from lightning_llmpar.modeling.packing import Packing, canonical_regions, local_
 
 __all__ = ["HFCheckpointExport", "check_hf_directory", "hf_state_dict", "load_hf_checkpoint", "save_hf_checkpoint"]
 
+# tie_word_embeddings: a tied model filled from an untied checkpoint would keep one of its two tensors.
 _CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "intermediate_size", "n_embd", "n_layer", "n_head")
+                  "num_key_value_heads", "intermediate_size", "n_embd", "n_layer", "n_head", "tie_word_embeddings")
 
 
 def check_hf_directory(directory: str | Path) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,19 @@ def test_missing_directory_and_other_model_are_refused(pretrained: dict[str, Any
     outs = run_ranks(fit_cases, 1, [("llama_tied", {}, BATCH, {"pretrained": str(pretrained["root"] / "gpt2")})])
     error = outs[0][("llama_tied", "{}")]["error"]
     assert "ValueError" in error and "config.json has model_type='gpt2' but the model has 'llama'" in error, error
+
+
+def test_untied_checkpoint_into_a_tied_model_is_refused(pretrained: dict[str, Any], tmp_path: Path) -> None:
+    # Both tensors were read into the one tied parameter, the second overwriting the first, without a word.
+    def untie(tensors: dict[str, torch.Tensor]) -> None:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] + 1
+
+    path = Path(_edit(pretrained["root"] / "llama_tied", tmp_path / "untied", untie))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    outs = run_ranks(fit_cases, 1, [("llama_tied", {}, BATCH, {"pretrained": str(path)})])
+    error = outs[0][("llama_tied", "{}")]["error"]
+    assert "ValueError" in error and "config.json has tie_word_embeddings=False but the model has True" in error, error
 
 
 def test_checkpoint_in_a_layout_not_read_per_rank_names_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
