@@ -4,6 +4,7 @@ refused before any work."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from torch import nn
 
 from lightning_llmpar import LLMParallelStrategy
 from tests.distributed import run_ranks
-from tests.zoo import assert_exact, fit_cases
+from tests.zoo import assert_exact, fit_cases, logits_of
 
 pytest.importorskip("transformers")
 
@@ -123,6 +124,22 @@ def test_lora_under_tensor_parallelism_matches_one_process() -> None:
                       ("llama", tp_pp, lora)], timeout=300)
     for ref, run in zip([clip_ref, refs["falcon_mqa"], refs["llama"]], four, strict=True):
         assert_exact(ref[0], run)
+
+
+def test_lora_export_folds_the_adapters_as_peft_merges_them(tmp_path: Path) -> None:
+    # Exported under peft's names (q_proj.base_layer.weight, lora_A...), from_pretrained initialized every adapted
+    # projection at random: logits 0.5 off. The export now holds W + scaling * B @ A, as merge_and_unload.
+    pytest.importorskip("peft")
+    lora = {"frozen": "lora_all", "steps": 2}
+    ref = _cases(1, [("llama", None, {**lora, "save_hf": str(tmp_path / "merged")})])[0][0]
+    assert "error" not in ref, ref.get("error")
+    layouts = [{"tensor_parallel": 2}, {"pipeline_parallel": 2}]
+    for i, outs in enumerate(_cases(2, [("llama", kw, {**lora, "save_hf": str(tmp_path / str(i))}) for i, kw in enumerate(layouts)])):
+        assert "error" not in outs[0], outs[0].get("error")
+        torch.testing.assert_close(logits_of(str(tmp_path / str(i))), logits_of(str(tmp_path / "merged")), atol=1e-5, rtol=0)
+    # Loading per rank into a model peft has wrapped: refused with the fix (it listed every adapter as missing).
+    refused = _cases(2, [("llama", layouts[0], {**lora, "pretrained": str(tmp_path / "merged")})])[0][0]
+    assert "holds peft adapters" in refused.get("error", "") and "from_pretrained" in refused["error"], refused.get("error")
 
 
 # ----------------------------------------------------------------------------------------- precision

@@ -8,6 +8,7 @@ reference of each model is computed once.
 
 from __future__ import annotations
 
+import copy
 import re
 from contextlib import nullcontext
 from typing import Any
@@ -463,8 +464,10 @@ def fit_case(
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     if save_hf is not None:
-        if strategy_kwargs is None:
-            module.model.save_pretrained(save_hf)
+        if strategy_kwargs is None:  # peft's own merge of the adapters: what an export folds them into
+            model = module.model
+            merged = copy.deepcopy(model).merge_and_unload() if hasattr(model, "merge_and_unload") else model
+            merged.save_pretrained(save_hf)
         else:
             save_hf_checkpoint(trainer, save_hf)
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())

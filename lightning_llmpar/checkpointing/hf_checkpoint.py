@@ -25,6 +25,7 @@ from lightning.pytorch import Callback
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_llmpar.checkpointing.adapters import fold_adapters
 from lightning_llmpar.checkpointing.conversions import Source, conversions, read, source_shape
 from lightning_llmpar.checkpointing.dcp import prepare_staging
 from lightning_llmpar.checkpointing.manifest import read_manifest, verify_manifest
@@ -153,7 +154,7 @@ def load_hf_checkpoint(
     path = Path(directory).expanduser()
     try:
         check_hf_directory(directory)
-        problems = _config_problems(model, path) + _manifest_problems(path)
+        problems = _config_problems(model, path) + _manifest_problems(path) + _adapter_problems(model)
     except ValueError as err:
         problems = [str(err)]
     files = _Files(path)
@@ -236,6 +237,13 @@ def _config_problems(model: nn.Module, path: Path) -> list[str]:
             if f in theirs and f in ours and theirs[f] != ours[f]]
 
 
+def _adapter_problems(model: nn.Module) -> list[str]:
+    wrapped = [n for n, _ in model.named_parameters() if ".base_layer." in n or ".lora_" in n]
+    return [f"the model holds peft adapters ({wrapped[0]}, ...), whose names no checkpoint has. Leave hf_checkpoint"
+            " out and load the base model with from_pretrained in your LightningModule before get_peft_model (every"
+            " rank then reads the whole checkpoint)"] if wrapped else []
+
+
 def _tied_targets(model: nn.Module) -> dict[str, str]:
     """Tied parameter -> the key its values are saved under (transformers drops the tied copy)."""
     if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
@@ -304,6 +312,12 @@ def save_hf_checkpoint(trainer: Any, directory: str | Path, dtype: torch.dtype |
         dtype = getattr(torch, dtype)
     prefix, model = _single_model(module)
     state = hf_state_dict(module, getattr(strategy, "packings", {}), getattr(strategy, "tied_aliases", {}), dtype)
+    try:  # each rank its own pipeline stage's adapters; a refusal raised on every rank alike
+        state, problems = fold_adapters(model, state), []
+    except ValueError as err:
+        problems = [str(err)]
+    if problems := _agree(problems):
+        raise ValueError(problems[0])
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if distributed:
         state = _gather_stages(strategy, state)
