@@ -133,7 +133,8 @@ class FSDP2Backend(ShardingBackend):
         module = s.lightning_module
         assert module is not None and ctx.composed is not None
         self.ctx = ctx
-        s.model = s.precision_plugin.convert_module(module)
+        plugin = s.precision_plugin  # ours converted the module in compose (convert_before_parallelism)
+        s.model = module if hasattr(plugin, "convert_before_parallelism") else plugin.convert_module(module)
         self.model_to_device()
         s.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -81,6 +81,20 @@ class _MeshPrecision:
         """Applied to each pipeline microbatch loss, where the strategy's own backward is not used."""
         return loss
 
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Lightning's own strategies (one device, DDP) convert here, where LLMParallelStrategy uses
+        ``convert_before_parallelism`` and ``mp_policy``: without this, a one-process reference run with the plugin
+        (``strategy="auto"``) silently trained in fp32."""
+        if self.needs_sharding_wrapper:
+            raise ValueError(
+                f"{type(self).__name__}(mode='true') casts the fp32 master weights to bf16 through"
+                " LLMParallelStrategy's FSDP2 units; under another strategy it would train in fp32. Use"
+                " Trainer(strategy=LLMParallelStrategy(), ...) (one device too), or Lightning's precision='bf16-true'"
+                " (bf16 weights, no fp32 master)."
+            )
+        self.convert_before_parallelism(module)
+        return module
+
 
 class BF16Precision(_MeshPrecision, MixedPrecision):
     """BF16 compute with fp32 master weights and optimizer state.

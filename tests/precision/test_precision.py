@@ -12,7 +12,7 @@ from lightning_llmpar.precision.fp8 import fp8_candidates
 from lightning_llmpar.precision.plugins import BF16Precision, FP8Precision, FP16Precision
 from tests.distributed import run_ranks
 from tests.test_parity import GLOBAL_BATCH, reference_for
-from tests.workloads import InjectInf, StepRecorder, fit, make_gpt
+from tests.workloads import InjectInf, StepRecorder, fit, fit_error, make_gpt
 
 FP8_CPU = {"base": "32-true"}  # bf16 matmuls are ~50x slower than fp32 on this kind of CPU
 
@@ -67,6 +67,16 @@ def test_precision_tracks_fp32_under_layouts(
         expected = "WeightWithDynamicFloat8CastTensor" if plugin_kwargs.get("float8_all_gather", True) else "Tensor"
         if kwargs.get("pipeline_parallel", 1) == 1:
             assert report["fp8_weight_types"] == [expected]
+
+
+def test_plugins_under_lightnings_own_strategy() -> None:
+    # A one-process reference with the plugin and strategy="auto": FP8 and bf16 'true' trained in fp32, silently.
+    fp8 = ("FP8Precision", {**FP8_CPU, "float8_all_gather": False})
+    plain, ours = run_ranks(fit, 1, "gpt", None, precision=fp8, sgd=True), run_ranks(fit, 1, "gpt", {}, precision=fp8, sgd=True)
+    assert plain[0]["losses"] == pytest.approx(ours[0]["losses"], abs=1e-6, rel=0)
+    assert max(abs(a - b) for a, b in zip(plain[0]["losses"], reference_for("gpt", sgd=True)["losses"])) > 1e-6
+    error = run_ranks(fit_error, 1, "gpt", None, precision=("BF16Precision", {"mode": "true"}))[0]
+    assert error and error.startswith("ValueError") and "LLMParallelStrategy()" in error, error
 
 
 @pytest.mark.parametrize(
