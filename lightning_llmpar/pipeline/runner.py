@@ -71,6 +71,7 @@ class PipelineRunner:
         self._stash: dict[nn.Parameter, Tensor | None] = {}
         self._accumulate = 1
         self._inferring = 0
+        self._last_stage_running = False
         self.defer_reduction = False  # in a micro-step that is not the optimizer step's last (see deferring_reduction)
         # Loss scaling (FP16): the schedule runs backward itself, so the scale is applied per microbatch.
         self.scale_loss: Callable[[Tensor], Tensor] | None = None
@@ -88,6 +89,12 @@ class PipelineRunner:
     @property
     def is_last(self) -> bool:
         return self.pp_rank == self.last_rank
+
+    @property
+    def counting(self) -> bool:
+        """True while the step runs as one process's would, a microbatch at a time: on the last stage, and not on
+        the placeholders a stage learns shapes from. State a step keeps itself should count only then."""
+        return self._last_stage_running and not self._inferring
 
     def _build_stages(self) -> list[PipelineStage]:
         if self._stages is None:
@@ -226,8 +233,12 @@ class PipelineRunner:
             batch = cp.begin_step(batch)
 
         def call() -> Any:
-            with frozen_metrics(self.module) if self._inferring else nullcontext():
-                return getattr(self.module, self._method)(batch, *self._step_args)
+            self._last_stage_running = last
+            try:
+                with frozen_metrics(self.module) if self._inferring else nullcontext():
+                    return getattr(self.module, self._method)(batch, *self._step_args)
+            finally:
+                self._last_stage_running = False
 
         cut, out = stage_program(self.module, self.blocks, self.layout.block_ranges[stage], last, incoming, stand_ins, call)
         if cut:

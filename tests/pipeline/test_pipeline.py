@@ -138,6 +138,35 @@ def test_validation_and_predict_run_through_the_schedule() -> None:
         assert torch.equal(out["predictions"], ref["predictions"])
 
 
+class _StepCalls(Callback):
+    """Counts the module's validation_step calls, and the samples of those the documented guard keeps."""
+
+    def __init__(self) -> None:
+        self.calls = self.kept_samples = 0
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        runner, step = getattr(trainer.strategy, "pipeline_runner", None), pl_module.validation_step
+
+        def counted(batch: Any, *args: Any) -> Any:
+            self.calls += 1
+            if runner is None or runner.counting:
+                self.kept_samples += len(torch.utils._pytree.tree_leaves(batch)[0])
+            return step(batch, *args)
+
+        pl_module.validation_step = counted  # type: ignore[method-assign]
+
+
+def test_state_a_step_keeps_itself_is_counted_once_with_the_documented_guard() -> None:
+    # validation_step runs per microbatch on every stage and once on placeholders: a user's own list of losses
+    # grew by 9 a validation instead of 2. While the runner says it is counting, each sample comes once (interleaved:
+    # the last rank holds a middle stage too).
+    ref = run_ranks(fit, 1, "gpt", None, batch_size=GLOBAL_BATCH, validate=True, callbacks_extra=[_StepCalls()])[0]
+    outs = _run("gpt", {"pipeline_parallel": 2}, 2, validate=True, callbacks_extra=[_StepCalls()])
+    seen = ref["extra"][0]["kept_samples"]
+    assert seen > 0 and [o["extra"][0]["kept_samples"] for o in outs] == [0, seen]
+    assert outs[1]["extra"][0]["calls"] > ref["extra"][0]["calls"]  # microbatches and the placeholder run
+
+
 @pytest.mark.parametrize(("layout", "world", "samples"), [
     pytest.param({"pipeline_schedule": "Interleaved1F1B"}, 2, 54, id="Interleaved1F1B"),
     pytest.param({"pipeline_schedule": "1F1B"}, 2, 52, id="1F1B"),
