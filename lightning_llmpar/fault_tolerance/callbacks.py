@@ -129,8 +129,7 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
             )
 
     def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
-        kind = getattr(getattr(trainer.strategy, "_backend", None), "checkpoint_kind", None)
-        newest = newest_complete_checkpoint(Path(self.dirpath or ""), kind)
+        newest = newest_complete_checkpoint(Path(self.dirpath or ""), getattr(trainer.strategy, "checkpoint_kind", None))
         return {str(newest)} if newest is not None else set()
 
     # -- data position (shared with DataPosition) -----------------------------------------------------

@@ -88,11 +88,13 @@ class DataPosition(Callback):
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
         sampler = resumable_sampler(trainer) if trainer is not None else None
-        progress = trainer.fit_loop.epoch_loop.batch_progress.current if trainer is not None else None
-        if sampler is not None and self._current is not None and progress.processed > progress.completed:
+        if sampler is None:
+            return {}
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        if self._current is not None and progress.processed > progress.completed:
             # Saved from another callback's on_train_batch_end that runs before this one's: the batch is trained.
             _count(trainer, *self._current)
-        return {"data_position": sampler.state_dict()} if sampler is not None else {}
+        return {"data_position": sampler.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._position = state_dict.get("data_position")

@@ -32,6 +32,11 @@ class CheckpointingStrategy(AsyncSaveHooks, MeshStrategy):
 
     _backend: ShardingBackend
 
+    @property
+    def checkpoint_kind(self) -> str:
+        """The kind of checkpoint the sharding backend writes and reads (``dcp``, ``deepspeed``)."""
+        return self._backend.checkpoint_kind
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's state dict, sharded (DTensors; only its pipeline stage's entries), as hooks such as
@@ -70,7 +75,7 @@ class CheckpointingStrategy(AsyncSaveHooks, MeshStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(Path(checkpoint_path).expanduser())))
-        problem, note = self.broadcast(ckpt.verdict(path, self._backend.checkpoint_kind) if self.is_global_zero else (None, None))  # all ranks alike
+        problem, note = self.broadcast(ckpt.verdict(path, self.checkpoint_kind) if self.is_global_zero else (None, None))  # all ranks alike
         if problem is not None:
             raise ValueError(f"Checkpoint {path} cannot be loaded: {problem}.")
         if note is not None:
