@@ -144,6 +144,8 @@ FULL: list[tuple[str, str]] = [
      "a dead lighthouse, then resuming from checkpoints: waits out a 20 s quorum timeout (killed groups heal in the fast set)"),
     ("tests/fault_tolerance/test_torchft.py::test_diloco_groups_part_between_syncs_and_meet_at_each",
      "DiLoCo between two-rank ZeRO-3 groups (DiLoCo at H=1 with one rank each stays fast)"),
+    ("tests/fault_tolerance/test_torchft.py::test_a_group_restarted_into_running_diloco_is_refused*",
+     "a group restarted into a running DiLoCo job, refused (killed groups heal in the fast set)"),
     ("tests/cli/test_cli.py::test_cli_logs_the_loss_one_process_logs*",
      "the logged loss through llmpar fit at cp2, pp2 and dp2 against one process (every layout is fast in"
      " test_logged_loss; the fast resume test compares llmpar fit's logged losses at dp2)"),

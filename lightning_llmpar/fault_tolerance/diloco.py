@@ -74,18 +74,16 @@ def start_diloco(manager: Manager, model: nn.Module, inner: torch.optim.Optimize
     # group fetching another's state there races the other's next steps. The groups must start from the same
     # weights instead (one seed, or one checkpoint), which an average of two checksums checks here.
     manager.start_quorum()
+    manager.wait_quorum()  # a quorum with running groups gives their step: refused before any collective, which
+    if manager.current_step() != 0:  # would not match theirs (their sync's all-reduce: a native abort in gloo)
+        _refuse_restart(manager.current_step())
     with torch.no_grad():
         shards = [extract_local_tensor(p).double() for p in model.parameters()]
         mine = torch.stack([sum(t.sum() for t in shards), sum(t.square().sum() for t in shards)])
         mean = mine.clone()
         manager.allreduce(mean).wait()
     if not manager.should_commit() or manager.current_step() != 1:
-        raise RuntimeError(
-            f"This replica group could not join the DiLoCo replica groups at their first sync (their step is"
-            f" {manager.current_step()}): a group restarted into a running DiLoCo job is not supported (it would have"
-            " to join the others' next sync halfway). Restart every group from the last checkpoint"
-            " (FaultTolerantCheckpoint), or use data_parallel_sync='every_step', where a restarted group heals."
-        )
+        _refuse_restart(manager.current_step())
     if not torch.allclose(mean, mine, rtol=1e-9, atol=0):
         raise ValueError(
             f"The replica groups start DiLoCo from different weights (this group's sum and sum of squares"
@@ -99,3 +97,12 @@ def start_diloco(manager: Manager, model: nn.Module, inner: torch.optim.Optimize
     diloco = DiLoCo(manager, [model], inner, outer, sync_every=config.every, backup_device=torch.device("cpu"),
                     pin_memory=torch.cuda.is_available())
     return diloco.__enter__()
+
+
+def _refuse_restart(step: int) -> None:
+    raise RuntimeError(
+        f"This replica group could not join the DiLoCo replica groups at their first sync (their step is {step}): a"
+        " group restarted into a running DiLoCo job is not supported (it would have to join the others' next sync"
+        " halfway). Restart every group from the last checkpoint (FaultTolerantCheckpoint), or use"
+        " data_parallel_sync='every_step', where a restarted group heals."
+    )

@@ -239,6 +239,27 @@ def test_diloco_groups_part_between_syncs_and_meet_at_each(tmp_path: Path, light
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
 
+def test_a_group_restarted_into_running_diloco_is_refused_and_the_other_goes_on(tmp_path: Path, lighthouse: str) -> None:
+    # The restarted group took part in the survivor's sync quorum and all-reduced its weights' checksum against the
+    # survivor's pseudo-gradients: a native abort in gloo (size mismatch) instead of the documented refusal.
+    steps = 12
+    groups = Groups(tmp_path, lighthouse)
+    try:
+        # Group 0 waits after step 7 until the restarted group asks for its first quorum, then syncs at step 9.
+        g0 = groups.start("0", "--steps", str(steps), "--wait-ready", "1_run", "--diloco-every", "3",
+                          "--hold-at", "7", "--hold-for", "starting_1_restart")
+        g1 = groups.start("1", "--steps", str(steps), "--wait-ready", "0_run", "--diloco-every", "3", "--kill-at", "4")
+        assert groups.wait(g1) == -signal.SIGKILL, groups.logs()
+        g1 = groups.start("1", "--steps", str(steps), "--tag", "restart", "--diloco-every", "3")
+        assert groups.wait(g1) == 1, groups.logs()
+        assert groups.wait(g0) == 0, groups.logs()
+    finally:
+        groups.close()
+    logs = groups.logs()
+    assert "could not join the DiLoCo replica groups at their first sync" in logs and "EnforceNotMet" not in logs, logs
+    assert _rows(tmp_path / "0_run.jsonl")[-1]["global_step"] == steps
+
+
 def test_three_groups_match_one_process_and_two_survive_a_third(tmp_path: Path, lighthouse: str) -> None:
     """Three groups of one rank: exact against one process while all live; group 2 is killed in step 4, and the
     other two lose no step, keep identical weights and train on as two."""

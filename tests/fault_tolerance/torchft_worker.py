@@ -86,6 +86,10 @@ class Script(Callback):
         self._rows = (self.out / f"{args.group}_{args.tag}.jsonl").open("a")
         self._started = False
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Before the strategy's own on_train_start, where DiLoCo asks for its first quorum.
+        (self.out / f"starting_{self.args.group}_{self.args.tag}").touch()
+
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, idx: int) -> None:
         # Written right before the step asks for its first quorum (the manager has heartbeated since set-up); a
         # resumed run starts at a later batch of the epoch.
