@@ -201,9 +201,26 @@ class ReplicaGroups:
             replica_id=f"llmpar_group_{env.replica_id}",
         )
         self._local_sgd: Any = None  # DiLoCo: started at the first optimizer step
+        self._module: pl.LightningModule | None = None
+        self._discarded = False  # the optimizer step just taken was not committed
         if diloco is None:
             strategy.optimizers = [CommitOnQuorum(self.manager, opt, self._decided, env.lighthouse)
                                    for opt in strategy.optimizers]
+            self._hold_step_schedulers(trainer.lightning_module)
+
+    def _hold_step_schedulers(self, module: pl.LightningModule) -> None:
+        """Lightning steps a per-step LR scheduler after every optimizer step, also one the quorum discarded: it
+        would run one step ahead per discarded step. Such an update is skipped, through the module's
+        ``lr_scheduler_step`` hook (on the instance, put back at shutdown), so the schedule counts committed steps."""
+        step_scheduler, per_step = module.lr_scheduler_step, {id(c.scheduler) for c in self.strategy.lr_scheduler_configs
+                                                              if c.interval == "step"}
+
+        def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+            if not (self._discarded and id(scheduler) in per_step):
+                step_scheduler(scheduler, metric)
+
+        module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
+        self._module = module
 
     def on_train_start(self) -> None:
         """After a checkpoint is restored. torchft counts committed steps from zero, Lightning from the checkpoint's
@@ -265,6 +282,7 @@ class ReplicaGroups:
             self.committed_steps += 1
         else:
             self.uncommitted_steps += 1
+        self._discarded = not committed
         progress = self.trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
         progress.ready = self.manager.current_step()
         progress.completed = self.manager.current_step() - 1  # Lightning adds the one it is taking
@@ -290,6 +308,9 @@ class ReplicaGroups:
             cfg.scheduler.load_state_dict(sd)
 
     def shutdown(self) -> None:
+        if self._module is not None:
+            self._module.__dict__.pop("lr_scheduler_step", None)
+            self._module = None
         if self._local_sgd is not None:
             self._local_sgd.__exit__(None, None, None)  # removes its hooks from the optimizer
             self._local_sgd = None

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.distributed import free_port
+from tests.fault_tolerance.torchft_worker import lr_at
 
 torchft = pytest.importorskip("torchft")
 
@@ -192,6 +193,8 @@ def test_killed_group_is_dropped_then_heals(tmp_path: Path, lighthouse: str, ran
     assert [r["step"] for r in healed] == list(range(joined, steps + 1))
     assert alone == list(range(kill_at + 1, joined)), survivor
     assert all(r["participants"] == 2 for r in survivor if r["step"] >= joined)
+    # The per-step LR schedule counts committed steps: a discarded step does not advance it (it ran one ahead).
+    assert all(r["lr"] == pytest.approx(0.05 * lr_at(r["global_step"]), rel=1e-12) for r in survivor + healed)
     a, b = _weights(tmp_path / "0_run.pt"), _weights(tmp_path / "1_restart.pt")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)

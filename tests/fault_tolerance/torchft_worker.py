@@ -26,6 +26,10 @@ from lightning_llmpar import LLMParallelStrategy
 from lightning_llmpar.fault_tolerance import FaultTolerantCheckpoint, ResumableDistributedSampler
 
 
+def lr_at(step: int) -> float:
+    """The per-step schedule's factor after ``step`` optimizer steps."""
+    return 1.0 / (1.0 + 0.05 * step)
+
 class Regression(LightningModule):
     def __init__(self, batch_size: int) -> None:
         super().__init__()
@@ -38,8 +42,10 @@ class Regression(LightningModule):
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)  # momentum: healing must carry state
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)  # momentum: healing must carry state
+        decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)  # per step: must count committed steps only
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
         # A fixed order (Lightning's own sampler would shuffle): the reference reads the same global batches.
@@ -116,7 +122,7 @@ class Script(Callback):
             return
         replicas = trainer.strategy._replicas
         row: dict[str, Any] = {"global_step": trainer.global_step, "loss": float(outputs["loss"]), "time": time.time(),
-                               "weights_sum": weights_sum}
+                               "weights_sum": weights_sum, "lr": trainer.optimizers[0].param_groups[0]["lr"]}
         if replicas is not None:
             m = replicas.manager
             row.update(step=m.current_step(), participants=m.num_participants(),
