@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor import DTensor
 
 from lightning_llmpar.fault_tolerance.diloco import DiLoCoConfig, start_diloco
@@ -280,6 +281,15 @@ class ReplicaGroups:
         # committed steps, so a discarded step is taken again and a healed group continues at its peers' step.
         if committed:
             self.committed_steps += 1
+            first = self.committed_steps == 1 and self.manager.current_step() == 1  # a fresh start, not a heal
+            if first and self.manager.num_participants() < self.env.num_groups:
+                rank_zero_warn(
+                    f"Replica group {self.env.replica_id} committed its first step with"
+                    f" {self.manager.num_participants()} of NUM_REPLICA_GROUPS={self.env.num_groups} groups: the others"
+                    " had not asked the lighthouse yet, so it trains without them (on its shard only) until they join"
+                    " and heal from it. Start every group together: a quorum waits (--join-timeout-ms) only for groups"
+                    " whose manager already heartbeats."
+                )
         else:
             self.uncommitted_steps += 1
         self._discarded = not committed

@@ -200,6 +200,19 @@ def test_killed_group_is_dropped_then_heals(tmp_path: Path, lighthouse: str, ran
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
 
+def test_a_group_that_starts_alone_says_so(tmp_path: Path, lighthouse: str) -> None:
+    # The lighthouse waits only for groups whose manager heartbeats: a group started before the others commits its
+    # first steps alone (on its shard only), which was silent.
+    groups = Groups(tmp_path, lighthouse)
+    try:
+        assert groups.wait(groups.start("0", "--steps", "2")) == 0, groups.logs()
+    finally:
+        groups.close()
+    assert "committed its first step with 1 of NUM_REPLICA_GROUPS=2 groups" in groups.logs()
+    rows = _rows(tmp_path / "0_run.jsonl")
+    assert [r["participants"] for r in rows] == [1, 1]
+
+
 def test_two_groups_match_one_process_on_a_tied_hf_llama_with_a_frozen_norm(tmp_path: Path, lighthouse: str) -> None:
     """A transformers Llama (tied embeddings, the final norm frozen, dict batches with labels): the groups' mean loss
     is the one-process loss of the whole batch at every step, and the frozen norm stays as it was built."""
