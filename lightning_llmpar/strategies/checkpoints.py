@@ -75,7 +75,8 @@ class CheckpointingStrategy(AsyncSaveHooks, MeshStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(Path(checkpoint_path).expanduser())))
-        problem, note = self.broadcast(ckpt.verdict(path, self.checkpoint_kind) if self.is_global_zero else (None, None))  # all ranks alike
+        verdict = ckpt.verdict(path, self.checkpoint_kind) if self.is_global_zero else (None, None)
+        problem, note = self.broadcast(verdict)  # all ranks alike
         if problem is not None:
             raise ValueError(f"Checkpoint {path} cannot be loaded: {problem}.")
         if note is not None:
@@ -92,21 +93,24 @@ class CheckpointingStrategy(AsyncSaveHooks, MeshStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        # ModelCheckpoint(save_last="link") makes `last` a link by deleting whatever the name holds (its own code,
-        # not through this strategy), a user's file or folder included when the version counter (which would pick a
-        # free name) is off.
-        trainer = self.lightning_module.trainer
-        found = []
-        if self.is_global_zero:
-            for cb in trainer.checkpoint_callbacks:
-                linking = isinstance(cb, ModelCheckpoint) and cb.save_last == "link" and cb.save_top_k != 0
-                if linking and cb.dirpath and not cb._enable_version_counter:
-                    last = Path(cb.format_checkpoint_name({}, cb.CHECKPOINT_NAME_LAST))
-                    if not last.is_symlink() and foreign_files(last):
-                        found.append(str(last))
-        if found := self.broadcast(found):
+        found = self.broadcast(_links_over_foreign_files(self.lightning_module.trainer) if self.is_global_zero else [])
+        if found:
             raise ValueError(
                 f"ModelCheckpoint(save_last='link') would delete {found[0]}, which this library did not write, to put"
                 " a link in its place. Move it, give the callback another dirpath, or leave"
                 " enable_version_counter on (a free name is then taken)."
             )
+
+
+def _links_over_foreign_files(trainer: Any) -> list[str]:
+    """Where ModelCheckpoint(save_last="link") would put its ``last`` link over files this library did not write:
+    it deletes whatever the name holds (its own code, not through the strategy) when its version counter, which
+    would pick a free name, is off."""
+    found = []
+    for cb in trainer.checkpoint_callbacks:
+        linking = isinstance(cb, ModelCheckpoint) and cb.save_last == "link" and cb.save_top_k != 0
+        if linking and cb.dirpath and not cb._enable_version_counter:
+            last = Path(cb.format_checkpoint_name({}, cb.CHECKPOINT_NAME_LAST))
+            if not last.is_symlink() and foreign_files(last):
+                found.append(str(last))
+    return found
