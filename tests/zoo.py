@@ -47,6 +47,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_neox": ("GPTNeoXConfig", {}),
     "opt": ("OPTConfig", {"ffn_dim": 64, "word_embed_proj_dim": 32, "pad_token_id": 1}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # The router's load-balancing loss added to the loss (in place, by transformers), as MoE models train.
+    "mixtral_aux": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True}),
     "olmo2": ("Olmo2Config", {"pad_token_id": 0}),
     "starcoder2": ("Starcoder2Config", {"sliding_window": None}),
     "falcon": ("FalconConfig", {"new_decoder_architecture": True, "num_kv_heads": 2, "ffn_hidden_size": 64}),

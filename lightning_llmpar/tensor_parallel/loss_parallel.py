@@ -191,7 +191,9 @@ def _parallel_cross_entropy(args: tuple, kwargs: dict) -> Tensor | None:
     else:
         with _loss_ops():
             loss = F.cross_entropy(x, target, weight, ignore_index=a["ignore_index"], reduction=a["reduction"])
-    return loss.to_local()  # replicated: the whole loss on every rank, a plain tensor for the user's code
+    # Replicated: the whole loss on every rank, a plain tensor for the user's code. A copy, not to_local's view,
+    # which autograd forbids changing in place (transformers adds an MoE router's auxiliary loss with +=).
+    return loss.to_local().clone()
 
 
 def _name(func: Any) -> str:

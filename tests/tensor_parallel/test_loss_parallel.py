@@ -144,7 +144,9 @@ def test_example_gpt_loss_parallel_exact_and_other_uses_of_the_logits() -> None:
         assert all(all(w in e for w in words) for e in errors), errors[0][-2000:]
 
 
-ZOO = ["llama", "gpt2", "gemma_mqa", "mixtral"]  # GPT-2: 65 tokens over 2 ranks; Gemma: embedding tied to the head
+# GPT-2: 65 tokens over 2 ranks; Gemma: embedding tied to the head; Mixtral with its router's auxiliary loss, which
+# transformers adds to the cross-entropy in place (a view of the split loss's result could not be changed so).
+ZOO = ["llama", "gpt2", "gemma_mqa", "mixtral_aux"]
 
 
 def test_zoo_families_exact_with_loss_parallel_at_tp2() -> None:
