@@ -136,11 +136,10 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     class _Record(Callback):
         def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            value = loss.detach().float().reshape(1).to(pl_module.device)
-            if spec["strategy"] is not None:  # mean over data-parallel ranks = the global batch's loss
-                dist.all_reduce(value)
-                value /= trainer.world_size
-            report["losses"].append(float(value))
+            # The strategy's loss of the global batch, weighed as training weighs it (context-parallel shares,
+            # loss_normalization='tokens'); a plain mean over the ranks is not that.
+            global_loss = getattr(trainer.strategy, "batch_loss", None)
+            report["losses"].append(float((global_loss if global_loss is not None else loss).detach()))
 
         def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
             strategy = trainer.strategy

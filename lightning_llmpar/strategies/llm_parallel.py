@@ -58,8 +58,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
         sequence_parallel: with tensor_parallel > 1, shard activations along the sequence between the
             tensor-parallel regions (norms, residuals), saving activation memory at no extra traffic.
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory (zero_stage >= 1).
-        tp_plan: explicit tensor-parallel plan, module-name pattern -> style, taking precedence over the
-            inferred plan (see ``lightning_llmpar.tensor_parallel.TP_STYLES``).
+        tp_plan: explicit tensor-parallel plan, module-name pattern -> style, over the inferred one (``TP_STYLES``).
         pipeline_schedule: a ``torch.distributed.pipelining`` schedule name: Interleaved1F1B (default),
             GPipe, 1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV.
         pipeline_microbatches: microbatches per step (default 2 x pipeline_parallel); must divide the batch.
@@ -67,8 +66,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
         pipeline_split_points: block indices where stages 1..S-1 start (default: balanced by parameters).
         sharding_backend: 'fsdp2' (default) or 'deepspeed' (data-parallel axis run by a DeepSpeed engine;
             tensor_parallel and pipeline_parallel must be 1).
-        deepspeed_config: a DeepSpeed JSON config (path or dict) merged with these options;
-            contradictions are refused.
+        deepspeed_config: a DeepSpeed JSON config (path or dict) merged with these options; contradictions refused.
         offload_optimizer: DeepSpeed only: 'cpu' or an NVMe directory for optimizer state (zero_stage >= 1).
         offload_parameters: DeepSpeed only: 'cpu' or an NVMe directory for parameters (zero_stage 3).
         gradient_compression: compress the data-parallel gradient sync: 'fp16', 'bf16', 'int8', 'topk',
@@ -173,6 +171,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
         self._layout, self._device_mesh, self._dp_mesh = None, None, None
         self.num_nodes = 1
         self._replicas: ReplicaGroups | None = None  # fault_tolerance="torchft": this job is one replica group
+        self.batch_loss: Tensor | None = None  # the last training step's loss of the global batch, as logged
         # The sharding backend is an object this strategy holds; the precision plugin given so far is converted
         # again for it (the DeepSpeed engine runs precision itself).
         backend = DeepSpeedBackend if sharding_backend == "deepspeed" else FSDP2Backend
@@ -321,6 +320,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
         loss = step_loss(output, returned if self._runner is None else None)
         tokens = self._composed.tokens if self._composed is not None else None
         true = true_loss(self.layout, self._runner, self.context_parallel, tokens, loss)
+        self.batch_loss = true if true is not None else loss
         replay_logs(self.lightning_module, logged, loss, true)  # the global batch's loss (see training.logged_loss)
         return output
 
