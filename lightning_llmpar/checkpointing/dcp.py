@@ -369,9 +369,9 @@ def export_consolidated(path: str | Path, output: str | Path, *, weights_only: b
 
         if any((path / "ckpt").glob("*optim_states.pt")):
             weights = dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag="ckpt"))
-        else:  # ZeRO-0 keeps no optimizer partitions, which zero_to_fp32 reads: the module's own (whole) weights
-            states = torch.load(path / "ckpt" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-            weights = dict(states["module"])
+        else:  # ZeRO-0 keeps no optimizer partitions, which zero_to_fp32 reads: the module's own (whole) weights,
+            # read with torch's weights-only unpickler (it holds tensors and plain data)
+            weights = dict(safe_torch_load(path / "ckpt" / "mp_rank_00_model_states.pt", map_location="cpu")["module"])
     else:
         metadata = read_dcp_metadata(path)
         state: dict[str, Any] = {"model": {}}
