@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor import DTensor
 
 from lightning_llmpar.fault_tolerance.diloco import DiLoCoConfig, start_diloco
+from lightning_llmpar.training.logged_loss import shadowed
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -202,7 +204,7 @@ class ReplicaGroups:
             replica_id=f"llmpar_group_{env.replica_id}",
         )
         self._local_sgd: Any = None  # DiLoCo: started at the first optimizer step
-        self._module: pl.LightningModule | None = None
+        self._hooks = ExitStack()  # the module's hooks this run replaces, put back at shutdown
         self._discarded = False  # the optimizer step just taken was not committed
         if diloco is None:
             strategy.optimizers = [CommitOnQuorum(self.manager, opt, self._decided, env.lighthouse)
@@ -212,7 +214,7 @@ class ReplicaGroups:
     def _hold_step_schedulers(self, module: pl.LightningModule) -> None:
         """Lightning steps a per-step LR scheduler after every optimizer step, also one the quorum discarded: it
         would run one step ahead per discarded step. Such an update is skipped, through the module's
-        ``lr_scheduler_step`` hook (on the instance, put back at shutdown), so the schedule counts committed steps."""
+        ``lr_scheduler_step`` hook (shadowed on the instance until shutdown), so the schedule counts committed steps."""
         step_scheduler, per_step = module.lr_scheduler_step, {id(c.scheduler) for c in self.strategy.lr_scheduler_configs
                                                               if c.interval == "step"}
 
@@ -220,8 +222,7 @@ class ReplicaGroups:
             if not (self._discarded and id(scheduler) in per_step):
                 step_scheduler(scheduler, metric)
 
-        module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
-        self._module = module
+        self._hooks.enter_context(shadowed(module, "lr_scheduler_step", lr_scheduler_step))
 
     def on_train_start(self) -> None:
         """After a checkpoint is restored. torchft counts committed steps from zero, Lightning from the checkpoint's
@@ -318,9 +319,7 @@ class ReplicaGroups:
             cfg.scheduler.load_state_dict(sd)
 
     def shutdown(self) -> None:
-        if self._module is not None:
-            self._module.__dict__.pop("lr_scheduler_step", None)
-            self._module = None
+        self._hooks.close()
         if self._local_sgd is not None:
             self._local_sgd.__exit__(None, None, None)  # removes its hooks from the optimizer
             self._local_sgd = None

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["LoggedCall", "captured_logs", "global_loss", "is_the_loss", "replay_logs", "step_loss", "step_returns",
-           "true_loss"]
+__all__ = ["LoggedCall", "captured_logs", "global_loss", "is_the_loss", "replay_logs", "shadowed", "step_loss",
+           "step_returns", "true_loss"]
 
 
 @dataclass
@@ -40,9 +40,9 @@ class LoggedCall:
 
 
 @contextmanager
-def _shadowed(module: nn.Module, name: str, replacement: Callable[..., Any]) -> Iterator[None]:
+def shadowed(module: nn.Module, name: str, replacement: Callable[..., Any]) -> Iterator[None]:
     """``module.<name>`` replaced by an instance attribute for the block; nested replacements each put back what was
-    there before (the pipeline runner's capture inside the strategy's)."""
+    there before (the pipeline runner's capture inside the strategy's, a replica group's scheduler hook)."""
     had, previous = name in module.__dict__, module.__dict__.get(name)
     setattr(module, name, replacement)
     try:
@@ -63,7 +63,7 @@ def captured_logs(module: nn.Module, keep: Callable[[], bool] = lambda: True) ->
         if keep():
             calls.append(LoggedCall(name, value, args, kwargs))
 
-    with _shadowed(module, "log", record):
+    with shadowed(module, "log", record):
         yield calls
 
 
@@ -78,7 +78,7 @@ def step_returns(module: nn.Module, method: str) -> Iterator[list[Any]]:
         returned.append(out := bound(*args, **kwargs))
         return out
 
-    with _shadowed(module, method, keep):
+    with shadowed(module, method, keep):
         yield returned
 
 
