@@ -9,8 +9,6 @@ own names. Adapter kinds whose folding is not that sum are refused.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from torch import Tensor, nn
 
 __all__ = ["fold_adapters"]
@@ -60,7 +58,7 @@ def _fold_lora(module: nn.Module, prefix: str, state: dict[str, Tensor]) -> None
         if adapter in active:
             folded = folded + module.scaling[adapter] * (b.float() @ a.float())
     state[f"{prefix}weight"] = folded.to(weight.dtype)
-    _rename(state, [(f"{prefix}base_layer.", prefix)])
+    _rename(state, f"{prefix}base_layer.", prefix)
 
 
 def _unwrap_saved(module: nn.Module, prefix: str, state: dict[str, Tensor]) -> None:
@@ -70,11 +68,11 @@ def _unwrap_saved(module: nn.Module, prefix: str, state: dict[str, Tensor]) -> N
     for key in [k for k in state if k.startswith((f"{prefix}modules_to_save.", f"{prefix}original_module."))]:
         if not key.startswith(source):
             del state[key]
-    _rename(state, [(source, prefix)])
+    _rename(state, source, prefix)
 
 
-def _rename(state: dict[str, Tensor], pairs: Iterable[tuple[str, str]]) -> None:
-    for old, new in pairs:
-        for key in [k for k in state if k.startswith(old)]:
-            state[new + key[len(old):]] = state.pop(key)
+def _rename(state: dict[str, Tensor], old: str, new: str) -> None:
+    """Keys starting with ``old`` start with ``new`` instead."""
+    for key in [k for k in state if k.startswith(old)]:
+        state[new + key[len(old):]] = state.pop(key)
 
