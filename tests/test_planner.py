@@ -69,6 +69,54 @@ def test_spec_counts_the_parameters_of_the_real_models(tmp_path: Path) -> None:
         model_spec(tmp_path / "mamba")
 
 
+def test_spec_reads_litgpt_models_and_refuses_other_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A LitGPT checkpoint directory, its model_config.yaml and a fit config of ``LitGPTModule`` are the model
+    LitGPT builds (the fit config once read as the example GPT's arguments, and a bare model_config.yaml as the
+    default example GPT); a YAML that is no fit config is refused, not read as the default model."""
+    from litgpt import Config
+    from litgpt.model import GPT as LitGPT
+
+    tiny = ROOT / "examples/litgpt/tiny-llama"
+    built = LitGPT(Config.from_file(tiny / "model_config.yaml"))
+    monkeypatch.chdir(ROOT)  # the fit config's model directory is relative, as `llmpar fit` reads it
+    for source in (tiny, tiny / "model_config.yaml", ROOT / "examples/configs/litgpt.yaml"):
+        spec = model_spec(source)
+        assert spec.params == _numel(built) and (spec.n_layer, spec.hidden, spec.n_kv_head) == (4, 128, 2), source
+    assert spec.fit_model["init_args"]["warmup_steps"] == 5  # the fit config's own arguments go on
+    moe = Config(n_layer=2, n_embd=64, n_head=4, n_query_groups=2, padded_vocab_size=128, vocab_size=128,
+                 mlp_class_name="LLaMAMoE", intermediate_size=96, n_expert=4, n_expert_per_token=2,
+                 norm_class_name="RMSNorm", bias=False)
+    from litgpt.utils import save_config
+
+    (tmp_path / "moe").mkdir()
+    save_config(moe, tmp_path / "moe")
+    spec = model_spec(tmp_path / "moe")
+    assert spec.params == _numel(LitGPT(moe)) and (spec.n_expert, spec.top_k, spec.ffn_hidden) == (4, 2, 96)
+    assert spec.block_expert_params == 4 * 3 * 64 * 96
+    (tmp_path / "model.yaml").write_text("n_embd: 64\nn_layer: 2\n")
+    with pytest.raises(ValueError, match="not a llmpar fit YAML .*n_embd, n_layer"):
+        model_spec(tmp_path / "model.yaml")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="model directory 'examples/litgpt/tiny-llama' does not exist here"):
+        model_spec(ROOT / "examples/configs/litgpt.yaml")
+
+
+def test_a_planned_config_starts_from_the_source_configs_checkpoint(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The strategy's arguments a plan does not decide (the checkpoint a fine-tune starts from) and the model's own
+    arguments are carried over: the written config once trained from random weights at the model's defaults."""
+    monkeypatch.chdir(ROOT)
+    for source, start in (("litgpt.yaml", "litgpt_checkpoint"), ("hf_qwen3.yaml", "hf_checkpoint")):
+        config = yaml.safe_load((ROOT / "examples/configs" / source).read_text())
+        result = plan(ROOT / "examples/configs" / source, cluster_from("cpu", gpus_per_node=4), global_batch=8,
+                      seq=64, precision="32-true")
+        written = yaml.safe_load(result.write_config(tmp_path / f"{source}.planned").read_text())
+        args = written["trainer"]["strategy"]["init_args"]
+        assert args[start] == config["trainer"]["strategy"]["init_args"][start], source
+        assert args["data_parallel"] * args["tensor_parallel"] * args["pipeline_parallel"] == 4
+        assert written["model"] == config["model"], source
+
+
 def test_memory_terms_move_the_way_each_technique_moves_them() -> None:
     spec = model_spec(GPT)
     peak = lambda **kw: predict_memory(spec, Candidate(**kw), 256, FP32)  # noqa: E731

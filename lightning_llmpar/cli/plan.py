@@ -13,7 +13,8 @@ __all__ = ["plan_command"]
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmpar plan", description=plan_command.__doc__)
-    parser.add_argument("model", help="a Hugging Face config directory (or config.json) or a llmpar fit YAML")
+    parser.add_argument("model", help="a Hugging Face config directory (or config.json), a LitGPT checkpoint"
+                        " directory (or its model_config.yaml) or a llmpar fit YAML")
     parser.add_argument("--cluster", default="h100", choices=sorted(CLUSTERS), help="preset the flags below override")
     parser.add_argument("--gpus-per-node", type=int)
     parser.add_argument("--nodes", type=int)

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_llmpar.expert_parallel.dispatch import combine, dispatch, route
 from lightning_llmpar.tensor_parallel.moe import fused_experts
 
-__all__ = ["ExpertParallel", "apply_expert_parallel", "check_experts", "find_experts"]
+__all__ = ["ExpertParallel", "apply_expert_parallel", "check_experts", "expert_lists", "find_experts"]
 
 
 def find_experts(model: nn.Module) -> dict[str, nn.Module]:
@@ -48,7 +48,7 @@ def _num_experts(module: nn.Module) -> int:
     return next(module.parameters()).shape[0]
 
 
-def _expert_lists(model: nn.Module) -> list[str]:
+def expert_lists(model: nn.Module) -> list[str]:
     """MoE layers whose experts are a list of MLP modules (LitGPT's LLaMAMoE): routed inside the layer's forward."""
     return [
         f"{name}.{child}" if name else child
@@ -187,7 +187,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh | None, capacity_fa
     only the capacity cut and the metrics apply)."""
     experts = find_experts(model)
     if not experts:
-        lists = _expert_lists(model)
+        lists = expert_lists(model)
         found = f" Its MoE layers keep experts as module lists ({', '.join(lists[:3])})." if lists else ""
         raise ValueError(
             f"expert_parallel / expert_capacity_factor need MoE layers whose experts are one module with 3-D weights"

@@ -34,6 +34,11 @@ __all__ = ["check_writable", "fit_config", "source_sections", "strategy_args"]
 
 # Trainer settings a plan decides; the source config's others (the run's length, logging, validation) are kept.
 _PLANNED = {"accelerator", "devices", "num_nodes", "strategy", "precision", "plugins", "accumulate_grad_batches"}
+# Strategy arguments a plan decides; the source's others (the checkpoint to start from, the loss normalization) are
+# kept.
+_LAYOUT = {"data_parallel", "data_parallel_replicate", "tensor_parallel", "pipeline_parallel", "zero_stage",
+           "sequence_parallel", "pipeline_schedule", "pipeline_microbatches", "pipeline_virtual_stages",
+           "context_parallel", "expert_parallel", "compile"}
 _CORPUS = "lightning_llmpar.data.CorpusDataModule"
 HEADER = "# Written by `llmpar plan`"  # how a config the planner may replace begins
 
@@ -91,6 +96,13 @@ def strategy_args(c: Candidate) -> dict[str, Any]:
     return args
 
 
+def _source_strategy_args(strategy: Any) -> dict[str, Any]:
+    """The source's ``LLMParallelStrategy`` arguments a plan does not decide (none from another strategy)."""
+    if not (isinstance(strategy, dict) and str(strategy.get("class_path", "")).endswith("LLMParallelStrategy")):
+        return {}
+    return {k: v for k, v in (strategy.get("init_args") or {}).items() if k not in _LAYOUT}
+
+
 def fit_config(plan: Plan, row: PlannedLayout) -> str:
     """YAML text for ``row``: the data module's batch is one data-parallel rank's share of the global batch
     (a pipeline splits it into microbatches; without one, gradients accumulate over ``microbatches``)."""
@@ -101,7 +113,9 @@ def fit_config(plan: Plan, row: PlannedLayout) -> str:
         "accelerator": "gpu" if plan.cluster.device == "cuda" else "cpu",
         "devices": plan.cluster.gpus_per_node,
         "num_nodes": plan.cluster.nodes,
-        "strategy": {"class_path": "lightning_llmpar.LLMParallelStrategy", "init_args": strategy_args(c)},
+        "strategy": {"class_path": "lightning_llmpar.LLMParallelStrategy",
+                     "init_args": {**_source_strategy_args((source.get("trainer") or {}).get("strategy")),
+                                   **strategy_args(c)}},
     }
     if plan.precision.name == "bf16-mixed":
         trainer["precision"] = "bf16-mixed"

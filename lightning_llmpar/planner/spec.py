@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_llmpar.expert_parallel.apply_ep import find_experts
+from lightning_llmpar.expert_parallel.apply_ep import expert_lists, find_experts
 from lightning_llmpar.modeling.structure import count_attr, find_block_stack
 
 __all__ = ["ModelSpec", "llama_spec", "model_spec", "spec_from_module"]
@@ -61,7 +61,10 @@ def spec_from_module(model: nn.Module, dims: dict[str, Any], fit_model: dict[str
     if stack is None:
         raise ValueError(f"{name}: no stack of repeated blocks found; the planner splits models by their blocks.")
     blocks = stack.modules()
-    expert_ids = {id(p) for block in blocks for m in find_experts(block).values() for p in m.parameters()}
+    # Experts with 3-D weights (transformers) or a list of MLPs (LitGPT's LLaMAMoE).
+    experts = [m for block in blocks
+               for m in [*find_experts(block).values(), *map(block.get_submodule, expert_lists(block))]]
+    expert_ids = {id(p) for m in experts for p in m.parameters()}
 
     def per_block(keep: Any) -> int:  # the mean over the blocks: hybrid stacks mix block classes (Jamba)
         return round(sum(p.numel() for block in blocks for p in block.parameters() if keep(p)) / len(blocks))
@@ -110,7 +113,7 @@ def _example_gpt(kwargs: dict[str, Any]) -> ModelSpec:
     return spec_from_module(model, dims, fit, name=f"example GPT {config.n_layer}x{config.n_embd}")
 
 
-def _hf(directory: Path) -> ModelSpec:
+def _hf(directory: Path, init_args: dict[str, Any] | None = None) -> ModelSpec:
     from lightning_llmpar.models import HFCausalLM
 
     module = HFCausalLM(model=str(directory))
@@ -132,35 +135,69 @@ def _hf(directory: Path) -> ModelSpec:
             "ffn_hidden": ffn or getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
             "vocab": text.vocab_size, "n_expert": n_expert,
             "top_k": getattr(text, "num_experts_per_tok", 1) if n_expert else 1}
-    fit = {"class_path": "lightning_llmpar.models.HFCausalLM", "init_args": {"model": str(directory)}}
+    fit = {"class_path": "lightning_llmpar.models.HFCausalLM", "init_args": init_args or {"model": str(directory)}}
     return spec_from_module(model, dims, fit, name=f"{config.model_type} ({directory})")
 
 
+def _litgpt(directory: Path, init_args: dict[str, Any] | None = None) -> ModelSpec:
+    from litgpt import Config
+    from litgpt.model import GPT
+
+    config = Config.from_file(directory / LITGPT_CONFIG)
+    with torch.device("meta"):  # the model LitGPTModule builds from this directory
+        model = GPT(config)
+    n_expert = config.n_expert or 0
+    dims = {"hidden": config.n_embd, "n_head": config.n_head, "n_kv_head": config.n_query_groups,
+            "ffn_hidden": (config.moe_intermediate_size or config.intermediate_size) if n_expert
+            else config.intermediate_size, "vocab": config.padded_vocab_size, "n_expert": n_expert,
+            "top_k": config.n_expert_per_token if n_expert else 1}
+    fit = {"class_path": "lightning_llmpar.models.LitGPTModule", "init_args": init_args or {"model": str(directory)}}
+    return spec_from_module(model, dims, fit, name=f"LitGPT {config.name} ({directory})")
+
+
+LITGPT_CONFIG = "model_config.yaml"  # LitGPT's own name for a model's config
+
+
 def model_spec(source: str | Path | dict[str, Any]) -> ModelSpec:
-    """A ``ModelSpec`` from a Hugging Face config directory (or its config.json), a `llmpar fit` YAML (its
-    ``model:`` section: the example GPT's arguments or an HFCausalLM's directory), or a dict of the example GPT's
-    arguments."""
+    """A ``ModelSpec`` from a Hugging Face config directory (or its config.json), a LitGPT checkpoint directory (or
+    its model_config.yaml), a `llmpar fit` YAML (its ``model:`` section: the example GPT's arguments, or an
+    HFCausalLM's or LitGPTModule's directory), or a dict of the example GPT's arguments."""
     if isinstance(source, dict):
         return _example_gpt(source)
     path = Path(source)
-    if path.name == "config.json":
+    if path.name in ("config.json", LITGPT_CONFIG):
         path = path.parent
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"{path} holds no config.json: give a Hugging Face model directory or a llmpar fit YAML.")
-        return _hf(path)
+        if (path / "config.json").is_file():
+            return _hf(path)
+        if (path / LITGPT_CONFIG).is_file():
+            return _litgpt(path)
+        raise ValueError(f"{path} holds no config.json or {LITGPT_CONFIG}: give a Hugging Face model directory, a"
+                         " LitGPT checkpoint directory or a llmpar fit YAML.")
     if path.suffix in (".yaml", ".yml") and path.is_file():
         import yaml
 
-        section = (yaml.safe_load(path.read_text()) or {}).get("model") or {}
+        config = yaml.safe_load(path.read_text())
+        if not (isinstance(config, dict) and {"trainer", "model", "data"} & set(config)):
+            # e.g. a model's own config, which would otherwise read as the default example GPT
+            found = ", ".join(map(str, list(config)[:5])) if isinstance(config, dict) else type(config).__name__
+            raise ValueError(f"{path}: not a llmpar fit YAML (no trainer, model or data section; it has {found})."
+                             f" Give a fit config, a Hugging Face config directory or a LitGPT {LITGPT_CONFIG}.")
+        section = config.get("model") or {}
         class_path = section.get("class_path", "lightning_llmpar.models.GPTModule")
         args = section.get("init_args", section if "class_path" not in section else {})
-        if class_path.endswith("HFCausalLM"):
-            return _hf(Path(args["model"]))
-        if not class_path.endswith("GPTModule"):
+        name = class_path.split(".")[-1]
+        if name in ("HFCausalLM", "LitGPTModule"):
+            directory = Path(args["model"])
+            if not directory.is_dir():
+                raise ValueError(f"{path}: its model directory {str(directory)!r} does not exist here ({Path.cwd()});"
+                                 " relative paths are read from the current folder, as `llmpar fit` reads them.")
+            # The fit config's own arguments (learning rate, schedule) go on to the planned config.
+            return (_hf if name == "HFCausalLM" else _litgpt)(directory, dict(args))
+        if name != "GPTModule":
             raise ValueError(
-                f"{path}: the planner reads the example GPT's or HFCausalLM's arguments, not {class_path}."
-                " Give the model's Hugging Face config directory instead."
+                f"{path}: the planner reads the arguments of the example GPT, HFCausalLM or LitGPTModule, not"
+                f" {class_path}. Give the model's Hugging Face config directory or LitGPT checkpoint instead."
             )
         return _example_gpt(dict(args))
     raise ValueError(
