@@ -90,6 +90,16 @@ def test_transformers_llama_layouts_match_single_process(kwargs: dict[str, Any],
     _assert_sharded(outs, kwargs, world, "model.model.layers.0.self_attn.q_proj.weight", (32, 32))
 
 
+@pytest.mark.parametrize("kwargs", [pytest.param({"tensor_parallel": 2}, id="tp2"),
+                                    pytest.param({"tensor_parallel": 2, "sequence_parallel": False}, id="tp2-nosp")])
+def test_users_forward_hooks_see_the_output_the_model_goes_on_with(kwargs: dict[str, Any]) -> None:
+    """A hook on the vocabulary-split embedding saw its partial sums (GELU crashed in backward, dropout at once);
+    each hook now runs on the reduced or local output, as one process's sees its whole output."""
+    pytest.importorskip("transformers")
+    outs, dp = _run("llama_hooked", kwargs, 2, sgd=True)
+    assert_parity(reference_for("llama_hooked", sgd=True), outs, dp)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "world"),
     [pytest.param({"tensor_parallel": 2, "zero_stage": 3}, 4, id="tp2-dp2-zero3"),

@@ -69,6 +69,18 @@ class HFLlamaModule(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+class _HookedLlama(HFLlamaModule):
+    """A transformers Llama with the user's own forward hooks, none of them linear: on the token embedding (split
+    over the vocabulary: a partial sum before its reduction), on a row-split and on a column-split projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = self.model.model.layers[0].self_attn
+        self.model.model.embed_tokens.register_forward_hook(lambda _m, _i, out: out + F.gelu(out))
+        layer.o_proj.register_forward_hook(lambda _m, _i, out: torch.tanh(out))
+        layer.q_proj.register_forward_hook(lambda _m, _i, out: out * torch.sigmoid(out))
+
+
 class _ExtraParameter(GPTModule):
     """The example GPT with one parameter more than its checkpoints have."""
 
@@ -134,7 +146,7 @@ class _PositionsAtRoot(_PositionsInForward):
         return self.model(idx, pos=position_ids)
 
 
-MODELS = {"gpt": make_gpt, "llama": HFLlamaModule, "llama_tied": lambda: HFLlamaModule(tie=True),
+MODELS = {"gpt": make_gpt, "llama": HFLlamaModule, "llama_tied": lambda: HFLlamaModule(tie=True), "llama_hooked": _HookedLlama,
           "gpt_extra": lambda: _ExtraParameter(True), "gpt_extra_lenient": lambda: _ExtraParameter(False),
           "gpt_partly_optimized": _PartlyOptimized, "gpt_steep": _SteepLoss, "gpt_positions_in_forward": _PositionsInForward,
           "gpt_positions_at_root": _PositionsAtRoot}
