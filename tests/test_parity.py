@@ -94,7 +94,7 @@ def test_transformers_llama_layouts_match_single_process(kwargs: dict[str, Any],
                                     pytest.param({"tensor_parallel": 2, "sequence_parallel": False}, id="tp2-nosp")])
 def test_users_forward_hooks_see_the_output_the_model_goes_on_with(kwargs: dict[str, Any]) -> None:
     """A hook on the vocabulary-split embedding saw its partial sums (GELU crashed in backward, dropout at once);
-    each hook now runs on the reduced or local output, as one process's sees its whole output."""
+    it now sees the whole output, with the global shape a size-scaled hook reads (not the sequence shard)."""
     pytest.importorskip("transformers")
     outs, dp = _run("llama_hooked", kwargs, 2, sgd=True)
     assert_parity(reference_for("llama_hooked", sgd=True), outs, dp)

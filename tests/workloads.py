@@ -71,13 +71,16 @@ class HFLlamaModule(LightningModule):
 
 class _HookedLlama(HFLlamaModule):
     """A transformers Llama with the user's own forward hooks, none of them linear: on the token embedding (split
-    over the vocabulary: a partial sum before its reduction), on a row-split and on a column-split projection."""
+    over the vocabulary: a partial sum before its reduction), on a row-split projection (sequence-sharded after
+    its reduction under sequence parallelism) and on a column-split one."""
 
     def __init__(self) -> None:
         super().__init__()
         layer = self.model.model.layers[0].self_attn
-        self.model.model.embed_tokens.register_forward_hook(lambda _m, _i, out: out + F.gelu(out))
-        layer.o_proj.register_forward_hook(lambda _m, _i, out: torch.tanh(out))
+        # Scaled by the output's size, as NEFTune scales its noise: a hook must see the whole sequence.
+        self.model.model.embed_tokens.register_forward_hook(
+            lambda _m, _i, out: out + F.gelu(out) * 4 / (out.size(1) * out.size(2)) ** 0.5)
+        layer.o_proj.register_forward_hook(lambda _m, _i, out: torch.tanh(out) * out.size(1) / SEQ)
         layer.q_proj.register_forward_hook(lambda _m, _i, out: out * torch.sigmoid(out))
 
 

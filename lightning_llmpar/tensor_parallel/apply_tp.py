@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_llmpar.modeling.head_counts import set_local_counts
@@ -25,20 +28,26 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, r
             continue
         name = key.split("#", 1)[0]
         parallelize_module(model.get_submodule(name) if name else model, tp_mesh, style)
-    _styles_first(users)
+    _sums_first(users)
     if rank_streams:
         apply_rank_streams(model, plan.rank_streams, tp_mesh.get_local_rank(), plan.replicated_dropout)
     set_local_counts(model, plan.local_counts)
     return model
 
 
+def _reduced(_module: nn.Module, _args: Any, output: Any) -> Any:
+    if isinstance(output, DTensor) and any(p.is_partial() for p in output.placements):
+        return output.redistribute(placements=[Replicate() if p.is_partial() else p for p in output.placements])
+    return None
 
-def _styles_first(users: dict[nn.Module, set[int]]) -> None:
-    """Run the forward hooks the styles added before those the model had (``users``: each module's hook ids before
-    sharding). A style's hook makes the module's output what the next module takes: a row split's sum over ranks
-    (its output is a partial sum until then, on which a user's dropout or GELU on the embedding crashed), a column
-    split's local shard. The user's hooks then see the output the model goes on with."""
+
+def _sums_first(users: dict[nn.Module, set[int]]) -> None:
+    """Reduce a split's partial sums before the forward hooks the model had (``users``: each module's hook ids
+    before sharding). A row split's output (the vocabulary-split embedding's) is a partial sum until the style's own
+    hook, which runs after the user's: a dropout or a GELU there crashed, and no hook saw the module's output. The
+    user's hooks now see it whole, a replicated DTensor with the global shape (NEFTune scales its noise by it); the
+    style's hook then shards it as before (sequence parallelism). A column split's output is a sharded DTensor,
+    already the module's output."""
     for module, before in users.items():
-        added = [key for key in module._forward_hooks if key not in before]
-        for key in reversed(added):
-            module._forward_hooks.move_to_end(key, last=False)
+        if any(key not in before for key in module._forward_hooks):  # a style's hook: the module was split
+            module.register_forward_hook(_reduced, prepend=True)
