@@ -60,6 +60,8 @@ FULL: list[tuple[str, str]] = [
      "the example GPT's layouts again on transformers' Llama (the zoo's Llama cases are fast)"),
     ("tests/test_parity.py::test_accumulation_and_global_norm_clipping[[]tp2]", "tp2-dp2-zero3 is fast"),
     ("tests/test_parity.py::test_accumulation_and_global_norm_clipping[[]dp2-zero0]", "tp2-dp2-zero3 is fast"),
+    ("tests/test_parity.py::test_users_forward_hooks_see_the_output_the_model_goes_on_with[[]tp2-nosp]",
+     "sequence parallelism off (tp2 is fast)"),
     ("tests/pipeline/test_pipeline.py::test_pipeline_composes_with_tp_and_zero[[]pp2-tp2]",
      "the zoo's tp2-pp2 is fast"),
     ("tests/pipeline/test_pipeline.py::test_pipeline_composes_with_tp_and_zero[[]pp2-dp2-zero1]",
