@@ -6,7 +6,7 @@ import argparse
 
 from lightning_llmpar.planner.cluster import CLUSTERS, cluster_from
 from lightning_llmpar.planner.config import check_writable
-from lightning_llmpar.planner.search import plan
+from lightning_llmpar.planner.search import Plan, plan
 
 __all__ = ["plan_command"]
 
@@ -38,11 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def plan_command(args: list[str]) -> int:
-    """Rank the layouts (data x tensor x pipeline x context parallel, ZeRO stage, activation checkpointing,
-    microbatching) of a model on a cluster by predicted step time among those whose predicted per-device peak
-    memory fits; print them and optionally write the best as a `llmpar fit` config."""
-    opts = _parser().parse_args(args)
+def _plan(opts: argparse.Namespace) -> Plan:
     if opts.write:
         check_writable(opts.write)  # before planning, not after
     cluster = cluster_from(
@@ -50,7 +46,7 @@ def plan_command(args: list[str]) -> int:
         peak_tflops=opts.peak_tflops, hbm_gbps=opts.hbm_gbps, intra_node_gbps=opts.intra_node_gbps,
         inter_node_gbps=opts.inter_node_gbps,
     )
-    result = plan(
+    return plan(
         opts.model,
         cluster,
         global_batch=opts.global_batch,
@@ -61,9 +57,21 @@ def plan_command(args: list[str]) -> int:
         float8=opts.float8,
         async_tp=opts.async_tp,
     )
-    print(result.to_json(opts.top) if opts.json else result.table(opts.top))
-    if opts.write:
-        path = result.write_config(opts.write)
-        if not opts.json:
-            print(f"llmpar: best layout written to {path} (llmpar fit --config {path})")
+
+
+def plan_command(args: list[str]) -> int:
+    """Rank the layouts (data x tensor x pipeline x context parallel, ZeRO stage, activation checkpointing,
+    microbatching) of a model on a cluster by predicted step time among those whose predicted per-device peak
+    memory fits; print them and optionally write the best as a `llmpar fit` config."""
+    parser = _parser()
+    opts = parser.parse_args(args)
+    try:
+        result = _plan(opts)
+        print(result.to_json(opts.top) if opts.json else result.table(opts.top))
+        if opts.write:
+            path = result.write_config(opts.write)
+            if not opts.json:
+                print(f"llmpar: best layout written to {path} (llmpar fit --config {path})")
+    except ValueError as e:  # bad input: one line naming the values and the fix, as argparse reports its own
+        parser.error(str(e))
     return 0 if result.best is not None else 1
