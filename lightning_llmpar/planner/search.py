@@ -198,7 +198,8 @@ def plan(
     if not rows:
         raise ValueError(
             f"No layout of {spec.name} divides {cluster.world_size} devices and global batch {global_batch}: choose a"
-            " global batch divisible by the data-parallel degrees the device count allows."
+            f" global batch divisible by the data-parallel degrees the device count allows (a multiple of"
+            f" {cluster.world_size} runs data parallel on every device)."
         )
     rows.sort(key=lambda r: (not r.fits, r.time.step if r.fits else r.memory.peak, r.memory.peak))
     return Plan(spec, cluster, p, global_batch, seq, rows, source_sections(model))
