@@ -62,6 +62,8 @@ FULL: list[tuple[str, str]] = [
     ("tests/test_parity.py::test_accumulation_and_global_norm_clipping[[]dp2-zero0]", "tp2-dp2-zero3 is fast"),
     ("tests/test_parity.py::test_users_forward_hooks_see_the_output_the_model_goes_on_with[[]tp2-nosp]",
      "sequence parallelism off (tp2 is fast)"),
+    ("tests/pipeline/test_pipeline.py::test_v_schedules_validate_between_steps[[]DualPipeV]",
+     "the other V (ZBVZeroBubble is fast)"),
     ("tests/pipeline/test_pipeline.py::test_pipeline_composes_with_tp_and_zero[[]pp2-tp2]",
      "the zoo's tp2-pp2 is fast"),
     ("tests/pipeline/test_pipeline.py::test_pipeline_composes_with_tp_and_zero[[]pp2-dp2-zero1]",

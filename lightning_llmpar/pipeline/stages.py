@@ -8,10 +8,20 @@ from typing import Any
 
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FULL_BACKWARD,
+    OVERLAP_F_B,
+    RECV_B,
+    REDUCE_GRAD,
+    SEND_B,
     PipelineScheduleMulti,
     PipelineScheduleSingle,
     get_schedule_class,
 )
+
+_BACKWARD = (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, SEND_B, RECV_B, REDUCE_GRAD)
 
 __all__ = ["SCHEDULES", "V_SCHEDULES", "StageLayout", "bubble_fraction", "build_schedule", "plan_stages"]
 
@@ -120,7 +130,26 @@ def build_schedule(
     # under Lightning's accumulate_grad_batches (the schedule's own scaling does not know about it).
     if issubclass(cls, PipelineScheduleSingle):
         return cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
-    return cls(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    schedule = cls(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    if not training:  # a V: no other schedule places its stages so
+        _forward_only(schedule)
+    return schedule
+
+
+def _forward_only(schedule: PipelineScheduleMulti) -> None:
+    """Keep only the forward half of ``schedule``'s lowered program: its forward computations with their sends and
+    receives, and FSDP's unshards and reshards. torch's ``eval`` runs the whole program with backward turned off, and a
+    V-shaped schedule's backward hand-over between a rank's two stages then fails ("can't steal_bwd_input if this
+    stage doesn't have backward"). Every rank drops the same backward sends and receives, so the pairs still match;
+    the forward ones keep their order, and dropping work only removes waits."""
+    for rank, actions in schedule.pipeline_order_with_comms.items():
+        kept = []
+        for action in actions:
+            if action.computation_type == OVERLAP_F_B:  # DualPipeV: one forward and one backward, overlapped
+                kept += [a for a in action.sub_actions or () if a.computation_type == FORWARD]
+            elif action.computation_type not in _BACKWARD:
+                kept.append(action)
+        schedule.pipeline_order_with_comms[rank] = kept
 
 
 def bubble_fraction(actions: list[tuple], window: tuple[float, float]) -> float:

@@ -52,6 +52,19 @@ def test_pp2_every_schedule_matches_single_process(schedule: str) -> None:
     assert_pipeline_parity(reference_for("gpt"), outs)
 
 
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
+def test_v_schedules_validate_between_steps(schedule: str) -> None:
+    """A V's evaluation runs the forward half of its own program (torch's eval ran the backward hand-over between
+    a rank's two stages too, and failed); validation every 2 steps and after fit equal one process's."""
+    kwargs = {"validate": True, "val_every": 2}
+    ref = reference_for("gpt", **kwargs)
+    outs = _run("gpt", {"pipeline_parallel": 2, "pipeline_schedule": schedule}, 2, **kwargs)
+    assert_pipeline_parity(ref, outs)
+    for out in outs:
+        for key, value in ref["val"].items():
+            assert abs(out["val"][key] - value) < 1e-5, (key, out["val"][key], value)
+
+
 LAYOUTS_3D = [
     pytest.param({"pipeline_parallel": 2, "tensor_parallel": 2}, 4, id="pp2-tp2"),
     pytest.param({"pipeline_parallel": 2, "zero_stage": 1}, 4, id="pp2-dp2-zero1"),
