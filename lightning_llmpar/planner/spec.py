@@ -18,6 +18,8 @@ from lightning_llmpar.modeling.structure import count_attr, find_block_stack
 
 __all__ = ["ModelSpec", "llama_spec", "model_spec", "spec_from_module"]
 
+LITGPT_CONFIG = "model_config.yaml"  # LitGPT's own name for a model's config
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -155,9 +157,6 @@ def _litgpt(directory: Path, init_args: dict[str, Any] | None = None) -> ModelSp
     return spec_from_module(model, dims, fit, name=f"LitGPT {config.name} ({directory})")
 
 
-LITGPT_CONFIG = "model_config.yaml"  # LitGPT's own name for a model's config
-
-
 def model_spec(source: str | Path | dict[str, Any]) -> ModelSpec:
     """A ``ModelSpec`` from a Hugging Face config directory (or its config.json), a LitGPT checkpoint directory (or
     its model_config.yaml), a `llmpar fit` YAML (its ``model:`` section: the example GPT's arguments, or an
@@ -165,7 +164,9 @@ def model_spec(source: str | Path | dict[str, Any]) -> ModelSpec:
     if isinstance(source, dict):
         return _example_gpt(source)
     path = Path(source)
-    if path.name in ("config.json", LITGPT_CONFIG):
+    if path.name == LITGPT_CONFIG and path.is_file():  # LitGPT's, also where transformers' config.json is beside it
+        return _litgpt(path.parent)
+    if path.name == "config.json":
         path = path.parent
     if path.is_dir():
         if (path / "config.json").is_file():
