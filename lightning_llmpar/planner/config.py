@@ -34,11 +34,11 @@ __all__ = ["check_writable", "fit_config", "source_sections", "strategy_args"]
 
 # Trainer settings a plan decides; the source config's others (the run's length, logging, validation) are kept.
 _PLANNED = {"accelerator", "devices", "num_nodes", "strategy", "precision", "plugins", "accumulate_grad_batches"}
-# Strategy arguments a plan decides; the source's others (the checkpoint to start from, the loss normalization) are
-# kept.
+# Strategy arguments a plan decides (or that hold only for the source's layout: its split points; its offload, which
+# the plan's memory does without); the source's others (the checkpoint to start from, the loss normalization) are kept.
 _LAYOUT = {"data_parallel", "data_parallel_replicate", "tensor_parallel", "pipeline_parallel", "zero_stage",
            "sequence_parallel", "pipeline_schedule", "pipeline_microbatches", "pipeline_virtual_stages",
-           "context_parallel", "expert_parallel", "compile"}
+           "pipeline_split_points", "context_parallel", "expert_parallel", "compile", "cpu_offload"}
 _CORPUS = "lightning_llmpar.data.CorpusDataModule"
 HEADER = "# Written by `llmpar plan`"  # how a config the planner may replace begins
 
