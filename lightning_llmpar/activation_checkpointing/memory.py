@@ -69,10 +69,18 @@ class StorageRecorder(TorchDispatchMode):
 
 def _fresh(arg: Any) -> Any:
     # The activation flowing in (a tensor that requires grad) gets a private copy, so whether the graph
-    # keeps it can be seen; tables and masks shared by every block are passed through unchanged.
+    # keeps it can be seen; tables and masks shared by every block are passed through unchanged. A transformers KV
+    # cache is left out: each call appends its keys and values to it, and the real call after the measuring one
+    # attended over both (an empty cache, as a training forward has, computes the same as none).
     if isinstance(arg, torch.Tensor) and arg.requires_grad:
         return arg.detach().clone().requires_grad_(True)
+    if _is_kv_cache(arg):
+        return None
     return arg
+
+
+def _is_kv_cache(arg: Any) -> bool:
+    return any(f"{c.__module__}.{c.__name__}" == "transformers.cache_utils.Cache" for c in type(arg).__mro__)
 
 
 @contextmanager
