@@ -97,6 +97,7 @@ def parallelize(
     last so its hooks see the final modules.
     """
     done = Parallelized()
+    _check_compiled_checkpointing(layout, config, checkpointing)
     if layout.tp > 1:
         if config.compile:
             check_no_dropout(model)  # so the per-rank dropout streams, which compiled code cannot use, are not needed
@@ -149,3 +150,19 @@ def parallelize(
     apply_data_parallel(model, dp_mesh, blocks=find_block_stack(model), **kwargs)
     done.dp_roots = [model]
     return done
+
+
+def _check_compiled_checkpointing(layout: ParallelLayout, config: ParallelConfig,
+                                  checkpointing: ActivationCheckpointing | None) -> None:
+    """Under tensor parallelism a compiled block's forward runs inside an eager checkpoint (see training.compile);
+    selective recomputation that keeps matmul outputs there fails in the first backward ("Tensor cached during
+    selective activation checkpoint has been mutated"), measured with a transformers Llama at tp2."""
+    plan = checkpointing.plan if checkpointing is not None else None
+    if not (config.compile and layout.tp > 1 and plan is not None and plan.mode in ("selective", "budget")
+            and plan.save != "attention"):
+        return
+    raise ValueError(
+        f"ActivationCheckpointing(mode={plan.mode!r}, save={plan.save!r}) with compile=True and tensor_parallel="
+        f"{layout.tp} fails in backward: a compiled block keeps no matmul outputs for selective recomputation under"
+        " tensor parallelism. Use save='attention', mode='full' or 'every_k', or compile=False."
+    )

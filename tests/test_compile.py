@@ -169,3 +169,13 @@ def test_dropout_is_found_on_the_modules_blocks_run() -> None:
     check_no_dropout(AutoModelForCausalLM.from_config(GPT2Config(**quiet)))
     with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.resid_dropout\.p=0\.1"):
         check_no_dropout(AutoModelForCausalLM.from_config(GPT2Config(**{**quiet, "resid_pdrop": 0.1})))
+
+
+def test_compiled_tensor_parallel_blocks_keeping_matmuls_for_recomputation_are_refused() -> None:
+    # Measured (transformers' Llama, tp2, with and without sequence parallelism): "Tensor cached during selective
+    # activation checkpoint has been mutated" in the first backward; save='attention' trains exactly.
+    from tests.workloads import fit_error
+
+    checkpointing = {"mode": "selective", "save": "attention_and_up_projections"}
+    errors = run_ranks(fit_error, 2, "llama", TP, steps=1, checkpointing=checkpointing)
+    assert all("save='attention_and_up_projections') with compile=True and tensor_parallel=2" in e for e in errors), errors
