@@ -105,7 +105,7 @@ def test_error_feedback_conserves_the_gradient(value: dict[str, Any]) -> None:
     ("kwargs", "match"),
     [
         ({"gradient_compression": "zip"}, r"gradient_compression='zip' is not a known method: use one of \('fp16'"),
-        ({"gradient_compression": {"fraction": 0.1}}, r"gradient_compression=None is not a known method"),
+        ({"gradient_compression": {"fraction": 0.1}}, r"gradient_compression=\{'fraction': 0.1\} names no method: add 'method'"),
         ({"gradient_compression": {"method": "topk", "rank": 4}},
          r"\['rank'\] are not options of method='topk'; it takes \['fraction', 'start_step'\]"),
         ({"gradient_compression": {"method": "topk", "fraction": 0}}, r"fraction=0 must be in \(0, 1\]"),

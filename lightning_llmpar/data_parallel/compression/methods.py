@@ -69,8 +69,13 @@ class CompressionConfig:
     @classmethod
     def from_user(cls, value: str | dict[str, Any]) -> CompressionConfig:
         options = {"method": value} if isinstance(value, str) else dict(value) if isinstance(value, dict) else None
-        if options is None or options.get("method") not in METHODS:
-            got = options.get("method") if options else value
+        if options is not None and "method" not in options:
+            raise ValueError(
+                f"gradient_compression={value!r} names no method: add 'method', one of {METHODS} (e.g."
+                " {'method': 'powersgd', 'rank': 4})."
+            )
+        if options is None or options["method"] not in METHODS:
+            got = options["method"] if options else value
             raise ValueError(
                 f"gradient_compression={got!r} is not a known method: use one of {METHODS}, or a dict such as"
                 " {'method': 'topk', 'fraction': 0.01}."
