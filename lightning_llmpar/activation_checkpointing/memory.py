@@ -20,6 +20,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from lightning_llmpar.modeling.structure import is_transformers
+
 __all__ = ["StorageRecorder", "block_activation_formula", "held_activation_bytes", "korthikanti_bytes"]
 
 
@@ -74,13 +76,9 @@ def _fresh(arg: Any) -> Any:
     # attended over both (an empty cache, as a training forward has, computes the same as none).
     if isinstance(arg, torch.Tensor) and arg.requires_grad:
         return arg.detach().clone().requires_grad_(True)
-    if _is_kv_cache(arg):
+    if is_transformers(arg, "Cache"):
         return None
     return arg
-
-
-def _is_kv_cache(arg: Any) -> bool:
-    return any(f"{c.__module__}.{c.__name__}" == "transformers.cache_utils.Cache" for c in type(arg).__mro__)
 
 
 @contextmanager

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
 __all__ = [
-    "BlockStack", "block_at", "count_attr", "find_block_stack", "first_arg_name", "has_forward", "mark_block_stack",
-    "num_params", "stack_keys",
+    "BlockStack", "block_at", "count_attr", "find_block_stack", "first_arg_name", "has_forward", "is_transformers",
+    "mark_block_stack", "num_params", "stack_keys",
 ]
 
 Stack = nn.ModuleList | nn.ModuleDict
@@ -152,3 +153,9 @@ def find_block_stack(model: nn.Module) -> BlockStack | None:
     if best is None:
         return None
     return BlockStack(prefix=best[1], blocks=best[2])
+
+
+def is_transformers(obj: Any, class_name: str) -> bool:
+    """Whether ``obj`` is an instance of transformers' ``class_name`` (``PreTrainedModel``, ``Cache``), without
+    importing transformers."""
+    return any(c.__module__.startswith("transformers.") and c.__name__ == class_name for c in type(obj).__mro__)

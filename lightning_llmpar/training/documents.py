@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_llmpar.modeling.structure import is_transformers
+
 __all__ = ["apply_document_masking", "document_causal_mask", "document_ids_from_positions", "is_packed",
            "hook_models_with_cache", "positions_from_documents"]
 
@@ -53,10 +55,6 @@ def document_causal_mask(document_ids: Tensor) -> Tensor:
     return (same & causal).unsqueeze(-3)
 
 
-def _is_transformers_model(module: nn.Module) -> bool:
-    return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel" for c in type(module).__mro__)
-
-
 def apply_document_masking(module: nn.Module) -> int:
     """Training forwards of the transformers models in ``module`` given ``position_ids`` run without a key/value
     cache, so transformers masks each packed document off the others; an all-ones ``attention_mask`` beside packed
@@ -86,7 +84,8 @@ def apply_document_masking(module: nn.Module) -> int:
 def hook_models_with_cache(module: nn.Module, hook: Any, flag: str) -> int:
     """Register ``hook`` (a forward pre-hook with kwargs) once, whatever the number of set-ups (``flag`` marks it), on
     the transformers models in ``module`` whose forward takes ``use_cache``; returns how many there are."""
-    models = [sub for sub in module.modules() if _is_transformers_model(sub) and "use_cache" in _forward_parameters(sub)]
+    models = [sub for sub in module.modules()
+              if is_transformers(sub, "PreTrainedModel") and "use_cache" in _forward_parameters(sub)]
     for model in models:
         if not getattr(model, flag, False):
             model.register_forward_pre_hook(hook, with_kwargs=True)
