@@ -131,7 +131,7 @@ def build_schedule(
     if issubclass(cls, PipelineScheduleSingle):
         return cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
     schedule = cls(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
-    if not training:  # a V: no other schedule places its stages so
+    if not training and layout.v_shape:  # no other schedule places its stages so (the others: above)
         _forward_only(schedule)
     return schedule
 
