@@ -14,7 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = {"exactness_fp32", "bf16_1b", "bf16_1b_compile", "bf16_d4096_compile", "fp8_tensorwise_d4096_compile",
             "fp8_rowwise_d4096_compile", "bf16_1b_ac_full", "bf16_1b_ac_every_k", "bf16_1b_ac_selective",
-            "bf16_1b_ac_selective_matmuls", "bf16_1b_ac_budget", "bf16_1b_previous_grads_held"}
+            "bf16_1b_ac_selective_matmuls", "bf16_1b_ac_budget", "bf16_1b_previous_grads_held", "ring_attention_cp"}
 
 
 def _run(*args: str, timeout: int) -> subprocess.CompletedProcess[str]:
@@ -36,7 +36,9 @@ def test_dry_run_exercises_every_section_on_cpu(tmp_path: Path) -> None:
     assert exact["passed"] and exact["max_loss_diff"] <= 1e-5 and len(exact["losses_ours"]) == exact["steps"]
     fp8 = report["sections"]["fp8_tensorwise_d4096_compile"]
     assert fp8["converted_fp8_linears"] == 7 and report["sections"]["bf16_d4096_compile"]["converted_fp8_linears"] == 0
-    for name in SECTIONS - {"exactness_fp32"}:
+    ring = report["sections"]["ring_attention_cp"]
+    assert [r["cp"] for r in ring["rows"]] == [1, 2, 4, 8] and all(r["ring_over_predicted"] > 0 for r in ring["rows"])
+    for name in SECTIONS - {"exactness_fp32", "ring_attention_cp"}:
         run = report["sections"][name]
         assert run["tokens_per_s"] > 0 and run["steps"] == 2, name
         modelled = not name.endswith(("selective_matmuls", "budget"))
@@ -58,8 +60,32 @@ def test_dry_run_exercises_every_section_on_cpu(tmp_path: Path) -> None:
     assert redone["sections"]["bf16_1b"]["planner"] == report["sections"]["bf16_1b"]["planner"]
     assert redone["sections"]["bf16_1b"]["tokens_per_s"] == report["sections"]["bf16_1b"]["tokens_per_s"]
     assert redone["summary"]["previous_grads_release_predicted_gib"] > 0
+    assert redone["sections"]["ring_attention_cp"]["rows"][3]["planner"] == ring["rows"][3]["planner"]
     refused = _run("--dry-run", "--out", str(real), timeout=120)
     assert refused.returncode != 0 and "never writes" in refused.stderr
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_the_emulated_ring_rank_computes_attention_over_the_keys_it_is_given(cp: int) -> None:
+    """The ring section's rank (the last: its own causal block, then the first half of each received block) is
+    attention over its keys followed by cp - 1 copies of their first half, all of those visible: output and the
+    three gradients against autograd through SDPA with that mask (the copies' key/value gradients summed back)."""
+    from benchmarks.gpu.ring import _backward, _forward
+
+    g = torch.Generator().manual_seed(cp)
+    q, k, v, dout = (torch.randn(1, 2, 8, 4, generator=g, dtype=torch.float64).float() for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    keys = torch.cat([k] + [k[:, :, :4]] * (cp - 1), dim=2)
+    values = torch.cat([v] + [v[:, :, :4]] * (cp - 1), dim=2)
+    mask = torch.cat([torch.ones(8, 8).tril().bool(), torch.ones(8, 4 * (cp - 1), dtype=torch.bool)], dim=1)
+    want = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    want.backward(dout)
+    with torch.no_grad():
+        out, lse = _forward(q, k, v, cp, kernels_only=False)
+        grads = _backward(dout, q, k, v, out, lse, cp, kernels_only=False)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+    for got, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(got, t.grad, atol=1e-5, rtol=0)
 
 
 @pytest.mark.gpu

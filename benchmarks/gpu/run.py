@@ -30,6 +30,7 @@ AC_MODES = ("full", "every_k", "selective", "selective_matmuls", "budget")
 def sections(dry_run: bool) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
     """(name, run) in the order they run: the headline figures first, so a short budget still gets them."""
     from benchmarks.gpu.exactness import exactness  # Lightning's import only once the arguments are accepted
+    from benchmarks.gpu.ring import ring_attention
     from benchmarks.gpu.train import predict, train
 
     acc = "cpu" if dry_run else "cuda"
@@ -56,6 +57,9 @@ def sections(dry_run: bool) -> list[tuple[str, Callable[[], dict[str, Any]]]]:
         ("fp8_tensorwise_d4096_compile", run(wide, compile=compiled, float8="tensorwise")),
         ("fp8_rowwise_d4096_compile", run(wide, compile=compiled, float8="rowwise")),
     ]
+    # One context-parallel rank's attention at torchtitan's 8B shapes (32 heads of 128, 32768 tokens a rank).
+    ring = {"heads": 4, "head_dim": 32, "tokens": 256, "repeats": 1} if dry_run else {}
+    out.append(("ring_attention_cp", lambda: ring_attention(acc, **ring)))
     budget_mb = 4.0 if dry_run else 6144.0  # about half of what the 1B model's 20 blocks keep without checkpointing
     for mode in AC_MODES:
         out.append((f"bf16_1b_ac_{mode}", run(big, checkpointing=mode,
@@ -93,6 +97,9 @@ def _summary(results: dict[str, Any]) -> dict[str, Any]:
                           "memory_error": p["reserved_gib"] / r["peak_reserved_gib"] - 1
                           if r.get("peak_reserved_gib") else None})
     summary["planner_vs_measured"] = pairs
+    ring = results.get("ring_attention_cp")
+    if isinstance(ring, dict) and "rows" in ring:
+        summary["ring_attention_measured_over_predicted"] = {r["cp"]: r["ring_over_predicted"] for r in ring["rows"]}
     summary["failed_sections"] = [n for n, r in results.items() if isinstance(r, dict) and "error" in r]
     return summary
 
@@ -100,6 +107,7 @@ def _summary(results: dict[str, Any]) -> dict[str, Any]:
 def repredict(path: Path) -> dict[str, Any]:
     """Rewrite each run's ``planner`` entry in a written report with the current planner, for the device the report
     names, and its summary; the measurements stay as they are."""
+    from benchmarks.gpu.ring import with_prediction
     from benchmarks.gpu.train import predict
 
     report = json.loads(path.read_text())
@@ -108,6 +116,10 @@ def repredict(path: Path) -> dict[str, Any]:
         if isinstance(run, dict) and "planner" in run:
             run["planner"] = predict(run["model"], run["batch"], device, run["checkpointing"],
                                      run["compile"], run["float8"], run["holds_previous_grads"])
+        if isinstance(run, dict) and "rows" in run:  # the ring attention section
+            kind = "cpu" if device == "cpu" else "h200" if "H200" in device else "h100"
+            run["rows"] = [with_prediction(r, run["heads"], run["head_dim"], run["tokens_per_rank"], kind)
+                           for r in run["rows"]]
     report["summary"] = _summary(report["sections"])
     path.write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(json.dumps(report["summary"], indent=1, default=str))
