@@ -374,7 +374,8 @@ def test_predicted_peaks_are_within_ten_percent_of_measured_ones() -> None:
 
 
 def test_plan_ranks_fitting_layouts_by_step_time_and_refuses_bad_input(tmp_path: Path) -> None:
-    result = plan({**GPT, "n_layer": 8}, cluster_from("h100", gpus_per_node=8), global_batch=32, seq=1024)
+    result = plan({**GPT, "n_layer": 8, "block_size": 1024}, cluster_from("h100", gpus_per_node=8), global_batch=32,
+                  seq=1024)
     fits = [r.fits for r in result.layouts]
     assert fits[0] and fits == sorted(fits, reverse=True)
     steps = [r.time.step for r in result.layouts if r.fits]
@@ -391,9 +392,11 @@ def test_plan_ranks_fitting_layouts_by_step_time_and_refuses_bad_input(tmp_path:
              global_batch=3, seq=128)
     with pytest.raises(ValueError, match="no-such-dir"):
         plan("no-such-dir", global_batch=8, seq=128)
+    with pytest.raises(ValueError, match=r"seq=256 is longer than example GPT 4x128 accepts \(block_size 128\)"):
+        plan(GPT, global_batch=8, seq=256)  # its first forward would refuse the run
     with pytest.raises(ValueError, match="gpus_per_node"):
         cluster_from("h100", gpus_per_node=0)
-    tiny = plan({**GPT, "n_embd": 4096, "n_head": 32, "n_kv_head": 8}, cluster_from("h100", memory_gb=0.5),
+    tiny = plan({**GPT, "n_embd": 4096, "n_head": 32, "n_kv_head": 8, "block_size": 4096}, cluster_from("h100", memory_gb=0.5),
                 global_batch=8, seq=4096)
     assert tiny.best is None
     with pytest.raises(ValueError, match="No layout .* fits 0.5 GB"):

@@ -187,6 +187,9 @@ def plan(
     if not 0 <= headroom < 1:
         raise ValueError(f"`headroom` is a fraction of device memory in [0, 1), got {headroom!r}.")
     spec = model if isinstance(model, ModelSpec) else model_spec(model)
+    if spec.max_seq and seq > spec.max_seq:  # the model would refuse it at its first forward
+        raise ValueError(f"seq={seq} is longer than {spec.name} accepts (block_size {spec.max_seq}): plan with a"
+                         f" seq of at most {spec.max_seq}, or raise the model's block_size.")
     cluster = cluster_from(cluster)
     p = PRECISIONS[precision]
     budget = cluster.memory_gb * 1e9 * (1 - headroom)

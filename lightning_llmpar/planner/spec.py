@@ -44,6 +44,7 @@ class ModelSpec:
     # How `llmpar fit` builds this model: the YAML `model:` section the planner's config carries over.
     fit_model: dict[str, Any] = field(default_factory=dict, compare=False)
     name: str = "model"
+    max_seq: int = 0  # the longest sequence the model accepts (its block_size); 0: no fixed limit
 
     @property
     def params(self) -> int:
@@ -86,7 +87,7 @@ def spec_from_module(model: nn.Module, dims: dict[str, Any], fit_model: dict[str
         embed_params=embed, head_params=head, other_params=sum(p.numel() for p in rest if p.dim() < 2), tied=tied,
         n_expert=dims.get("n_expert", 0), top_k=dims.get("top_k", 1),
         block_expert_params=per_block(lambda p: id(p) in expert_ids),
-        fit_model=fit_model, name=name,
+        fit_model=fit_model, name=name, max_seq=dims.get("max_seq", 0),
     )
 
 
@@ -110,7 +111,8 @@ def _example_gpt(kwargs: dict[str, Any]) -> ModelSpec:
     config = model.config
     dims = {"hidden": config.n_embd, "n_head": config.n_head, "n_kv_head": config.n_kv_head,
             "ffn_hidden": config.moe_hidden if config.n_expert else config.mlp_hidden, "vocab": config.vocab_size,
-            "n_expert": config.n_expert, "top_k": config.n_expert_per_token if config.n_expert else 1}
+            "n_expert": config.n_expert, "top_k": config.n_expert_per_token if config.n_expert else 1,
+            "max_seq": config.block_size}
     fit = {"class_path": "lightning_llmpar.models.GPTModule", "init_args": dict(kwargs)}
     return spec_from_module(model, dims, fit, name=f"example GPT {config.n_layer}x{config.n_embd}")
 
@@ -152,7 +154,7 @@ def _litgpt(directory: Path, init_args: dict[str, Any] | None = None) -> ModelSp
     dims = {"hidden": config.n_embd, "n_head": config.n_head, "n_kv_head": config.n_query_groups,
             "ffn_hidden": (config.moe_intermediate_size or config.intermediate_size) if n_expert
             else config.intermediate_size, "vocab": config.padded_vocab_size, "n_expert": n_expert,
-            "top_k": config.n_expert_per_token if n_expert else 1}
+            "top_k": config.n_expert_per_token if n_expert else 1, "max_seq": config.block_size}
     fit = {"class_path": "lightning_llmpar.models.LitGPTModule", "init_args": init_args or {"model": str(directory)}}
     return spec_from_module(model, dims, fit, name=f"LitGPT {config.name} ({directory})")
 
