@@ -222,6 +222,7 @@ def console() -> None:
     """Entry point of the `llmpar` command (returns nothing, so the exit status is 0 on success)."""
     import sys
 
+    quiet_known_warnings()
     if sys.argv[1:2] == ["verify"]:
         sys.exit(verify(sys.argv[2:]))
     if sys.argv[1:2] == ["plan"]:

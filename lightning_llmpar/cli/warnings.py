@@ -38,6 +38,23 @@ class _DropTips(logging.Filter):
 _DROP_TIPS = _DropTips()
 
 
+class _DropImportNoise(logging.Filter):
+    """What importing torchao says in every process (transformers imports it whenever it is installed): that its
+    CUDA kernel libraries do not load, on a machine without CUDA where nothing would call them, and torch's
+    deprecation of the pytree registration torchao makes for its enums."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import torch
+
+        text = str(record.msg)
+        if text.startswith("%s is an Enum subclass"):
+            return False
+        return not (text.startswith("Failed to load") and ".so" in text and not torch.cuda.is_available())
+
+
+_DROP_IMPORT_NOISE = _DropImportNoise()
+
+
 def _show_once(show: Callable[..., None]) -> Callable[..., None]:
     shown: set[tuple[type, str]] = set()
 
@@ -63,3 +80,5 @@ def quiet_known_warnings() -> None:
         for name in PER_PROCESS_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_DROP_TIPS)  # once, however often main() runs
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).addFilter(_DROP_IMPORT_NOISE)

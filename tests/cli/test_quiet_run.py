@@ -80,3 +80,15 @@ def test_main_job_prints_each_warning_once(tmp_path: Path) -> None:
                  "--trainer.limit_val_batches", "1", "--trainer.log_every_n_steps", "2", "--data.max_bytes", "300000")
     assert_quiet(output)
     assert "While redistributing" not in output
+
+
+def test_llmpar_plan_of_a_transformers_model_says_only_the_plan(tmp_path: Path) -> None:
+    """transformers imports torchao when it is installed, which said in every run that its CUDA kernels did not
+    load (on a CPU machine) and drew torch's deprecation of its pytree enums: four lines before the table."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_llmpar.cli", "plan", "examples/configs/hf_qwen3.yaml", "--cluster", "cpu",
+         "--global-batch", "8", "--seq", "64", "--top", "1"], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("qwen3 (examples/hf/tiny-qwen3)") and done.stderr == "", done.stderr[-3000:]
