@@ -40,7 +40,7 @@ from lightning_llmpar.pipeline.runner import PipelineRunner
 from lightning_llmpar.pipeline.setup import build_pipeline
 from lightning_llmpar.strategies.options import StrategyOptions
 from lightning_llmpar.training.documents import apply_document_masking
-from lightning_llmpar.training.loss_normalization import TokenNormalizer
+from lightning_llmpar.training.loss_normalization import PaddedMeanWarning, TokenNormalizer
 
 __all__ = ["Composed", "SetupContext", "compose", "composed_before", "parallel_config"]
 
@@ -74,6 +74,15 @@ class Composed:
     compression: GradientCompression | None = None
     context_parallel: ContextParallel | None = None
     tokens: TokenNormalizer | None = None
+    padded_mean: PaddedMeanWarning | None = None
+
+    def see_batch(self, batch: Any) -> None:
+        """A training batch, before its step: its valid targets counted (``loss_normalization='tokens'``; a
+        pipeline's runner counts its own microbatches), or its padding looked for (``'mean'``)."""
+        if self.tokens is not None and self.runner is None:
+            self.tokens.add(batch)
+        elif self.padded_mean is not None:
+            self.padded_mean.see(batch)
 
     def aliases(self) -> dict[str, str]:
         """Copies of tied weights on pipeline stages: local name -> the name one process gives the weight."""
@@ -118,6 +127,10 @@ def compose(module: nn.Module, ctx: SetupContext) -> Composed:
     if options.count_tokens is not None:
         # Context-parallel ranks count the same whole batch (each weighs its own part, see context_parallel).
         done.tokens = TokenNormalizer(options.count_tokens, layout.tp * layout.cp, layout.dp, ctx.device)
+    else:
+        microbatches = options.pipeline.microbatches if layout.pp > 1 else 1
+        parts = [f"{n} {what}" for n, what in ((layout.dp, "data-parallel ranks"), (microbatches, "microbatches")) if n > 1]
+        done.padded_mean = PaddedMeanWarning(" x ".join(parts)) if parts else None
     if layout.cp > 1:
         done.context_parallel = apply_context_parallel(module, mesh["cp"], options.context_parallel_mode)
     stage_roots: list[nn.Module] = []

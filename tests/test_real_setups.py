@@ -232,6 +232,10 @@ def test_padded_batches_token_exact_under_every_layout() -> None:
     # The default (a mean of per-rank means, as DDP) trains differently on padded data: what the option is for.
     with pytest.raises(AssertionError):
         _same_training(ref, two[5])
+    # ... and says so once, on rank 0, where the layout cuts the batch (not under tensor parallelism alone).
+    said = [[w for w in out["warnings"] if "ignored targets" in w] for outs in two for out in outs]
+    assert said[10] and "2 data-parallel ranks" in said[10][0] and "loss_normalization='tokens'" in said[10][0]
+    assert len(said[10]) == 1 and not any(said[:10] + said[11:]), said
 
 
 # ----------------------------------------------------------------------------------------- dropout

@@ -559,6 +559,7 @@ def fit_cases(cases: list[tuple]) -> dict[tuple[str, str], Any]:
     reported per case."""
     import os
     import traceback
+    import warnings
 
     env = dict(os.environ)  # Lightning's cluster environment removes WORLD_SIZE at teardown
     results: dict[tuple[str, str], Any] = {}
@@ -567,7 +568,10 @@ def fit_cases(cases: list[tuple]) -> dict[tuple[str, str], Any]:
         options = dict(extra[0]) if extra else {}
         key = (name, options.pop("tag", repr(kwargs)))
         try:
-            results[key] = fit_case(name, kwargs, batch_size, **options)
+            with warnings.catch_warnings(record=True) as caught:  # the strategy's own, for the tests to read
+                warnings.simplefilter("always")
+                results[key] = fit_case(name, kwargs, batch_size, **options)
+            results[key]["warnings"] = [str(w.message) for w in caught if "LLMParallelStrategy" in str(w.message)]
         except Exception:  # noqa: BLE001 - one failing model must not hide the others' results
             results[key] = {"error": traceback.format_exc()}
     return results

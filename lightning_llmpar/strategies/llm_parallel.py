@@ -296,10 +296,9 @@ class LLMParallelStrategy(CheckpointingStrategy):
         # Last step's gradients, which Lightning discards after the step, released first (DeepSpeed keeps its own).
         if method == "training_step" and self.engine is None and zero_grad_follows(trainer):
             release_unread_grads(trainer)
-        tokens = self._composed.tokens if self._composed is not None else None
+        if method == "training_step" and self._composed is not None:
+            self._composed.see_batch(args[0] if args else next(iter(kwargs.values())))
         if self._runner is None:
-            if method == "training_step" and tokens is not None:
-                tokens.add(args[0] if args else next(iter(kwargs.values())))
             if self.context_parallel is not None:
                 training = method == "training_step" and not self.checking_pipeline_split
                 return self.context_parallel.run(training, self._through_root, method, args, kwargs)

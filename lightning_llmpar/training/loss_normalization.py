@@ -14,23 +14,31 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-__all__ = ["TokenNormalizer", "count_target_tokens"]
+__all__ = ["PaddedMeanWarning", "TokenNormalizer", "count_target_tokens"]
 
 IGNORE_INDEX = -100
 
 
-def count_target_tokens(batch: Any) -> int:
-    """Valid targets of a batch: a dict's ``labels`` shifted by one as transformers' causal-LM loss does, a dict's
-    ``targets`` (already shifted: the bundled packed rows), or the targets (second element) of an ``(inputs,
-    targets)`` pair; ``-100`` marks ignored positions."""
+def _targets(batch: Any) -> Tensor | None:
+    """A dict's ``labels`` shifted by one as transformers' causal-LM loss does, a dict's ``targets`` (already
+    shifted: the bundled packed rows), or the targets (second element) of an ``(inputs, targets)`` pair."""
     if isinstance(batch, dict) and isinstance(batch.get("labels"), Tensor):
-        return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
+        return batch["labels"][..., 1:]
     if isinstance(batch, dict) and isinstance(batch.get("targets"), Tensor):
-        return int((batch["targets"] != IGNORE_INDEX).sum())
+        return batch["targets"]
     if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[1], Tensor):
-        return int((batch[1] != IGNORE_INDEX).sum())
+        return batch[1]
+    return None
+
+
+def count_target_tokens(batch: Any) -> int:
+    """Valid targets of a batch (see ``_targets``); ``-100`` marks ignored positions."""
+    targets = _targets(batch)
+    if targets is not None:
+        return int((targets != IGNORE_INDEX).sum())
     raise ValueError(
         f"loss_normalization='tokens' counts valid targets in a dict's 'labels' or 'targets' or the second element of a"
         f" tuple; this"
@@ -72,3 +80,29 @@ class TokenNormalizer:
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(factor)
+
+
+class PaddedMeanWarning:
+    """Under the default ``loss_normalization='mean'``, where the layout cuts each batch into parts whose mean losses
+    weigh the same (data-parallel ranks, pipeline microbatches): warns once if one of the first training batches
+    has ignored targets, since then the parts' valid targets differ and the loss and gradients are not one
+    process's mean over the batch. Only the first batches are looked at: each look reads the targets' values."""
+
+    def __init__(self, parts: str, looks: int = 8) -> None:
+        self.parts, self.looks = parts, looks
+
+    def see(self, batch: Any) -> None:
+        if self.looks <= 0:
+            return
+        self.looks -= 1
+        targets = _targets(batch)
+        if targets is None or not bool((targets == IGNORE_INDEX).any()):
+            return
+        self.looks = 0
+        rank_zero_warn(
+            f"LLMParallelStrategy: a training batch has ignored targets ({IGNORE_INDEX}: padding or masked prompts)"
+            f" and this layout cuts every batch into {self.parts}, whose mean losses weigh the same under"
+            " loss_normalization='mean' (the default, as DDP does): the loss and gradients differ from one process's"
+            " mean over the batch's valid targets. Pass loss_normalization='tokens' for that mean (docs/layouts.md,"
+            " Padding and loss normalization)."
+        )
