@@ -289,7 +289,7 @@ class _FirstGrads(Callback):
             self.grads = {n: full(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
 
 
-def _dropout_run(sequence_parallel: bool, checkpointing: bool) -> dict[str, Any]:
+def _dropout_run(sequence_parallel: bool, checkpointing: bool, layout: dict[str, Any] | None = None) -> dict[str, Any]:
     import os
 
     from lightning_llmpar import ActivationCheckpointing
@@ -298,14 +298,15 @@ def _dropout_run(sequence_parallel: bool, checkpointing: bool) -> dict[str, Any]
     module, record = _DropModel(), _FirstGrads()
     callbacks: list[Callback] = [record] + ([ActivationCheckpointing(mode="full")] if checkpointing else [])
     trainer = Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=1, logger=False,
-                      strategy=LLMParallelStrategy(tensor_parallel=2, sequence_parallel=sequence_parallel),
+                      strategy=LLMParallelStrategy(**(layout or {"tensor_parallel": 2, "sequence_parallel": sequence_parallel})),
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=callbacks)
     g = torch.Generator().manual_seed(3)
     x = torch.randint(0, 64, (8, 16), generator=g)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(list(zip(x, torch.roll(x, 1, 1))), batch_size=8))
     forward = {k: v[0] for k, v in module.masks.items()}  # the first call of each (recomputation calls again)
-    return {"masks": forward, "grads": record.grads, "calls": {k: len(v) for k, v in module.masks.items()}}
+    return {"masks": forward, "grads": record.grads, "calls": {k: len(v) for k, v in module.masks.items()},
+            "every": module.masks}
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["no-sp", "sp"])
@@ -324,6 +325,17 @@ def test_dropout_streams_per_rank_where_data_is_sharded(sequence_parallel: bool)
         assert all(float((a[n] == b[n]).float().mean()) < 0.7 for n in resid)
     else:  # the replicated residual stream: the same mask on every rank, or the replicas would diverge
         assert all(torch.equal(a[n], b[n]) for n in resid)
+
+
+def test_pipeline_stages_draw_their_own_dropout_masks() -> None:
+    # Every rank starts on the seed seed_everything gave it: block 1 on the second stage drew, microbatch for
+    # microbatch, the masks block 0 drew on the first (one process draws them independently).
+    first, second = run_ranks(_dropout_run, 2, False, False, {"pipeline_parallel": 2, "pipeline_schedule": "1F1B"})
+    for name in ("mlp.drop", "resid_drop"):  # the 4 microbatches of the step (the split check ran before)
+        a, b = first["every"][f"blocks.0.{name}"][-4:], second["every"][f"blocks.1.{name}"][-4:]
+        assert all(x.shape == y.shape == (2, 16, 128 if name == "mlp.drop" else 32) for x, y in zip(a, b))
+        agree = [float((x == y).float().mean()) for x, y in zip(a, b)]
+        assert all(0.45 < v < 0.7 for v in agree), (name, agree)  # independent: ~1 - 2p(1-p) = 0.58
 
 
 def test_dropout_recomputed_under_checkpointing_draws_the_same_masks() -> None:

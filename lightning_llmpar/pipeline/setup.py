@@ -17,8 +17,9 @@ from lightning_llmpar.pipeline.check import check_split, checkable, run_whole
 from lightning_llmpar.pipeline.runner import PipelineRunner
 from lightning_llmpar.pipeline.split import outside_owners, split_model, stage_costs, stage_finder
 from lightning_llmpar.pipeline.stages import SCHEDULES, V_SCHEDULES, StageLayout, plan_stages
+from lightning_llmpar.tensor_parallel.rng import separate_stage_streams
 
-__all__ = ["PipelineConfig", "build_pipeline", "ZERO_BUBBLE_SCHEDULES"]
+__all__ = ["PipelineConfig", "build_pipeline", "start_training", "ZERO_BUBBLE_SCHEDULES"]
 
 # Split backward (separate input- and weight-gradient passes) interleaves with FSDP2's re-sharding
 # after forward in a way that loses or corrupts gradients: measured wrong (loss off by 1e-2) with
@@ -176,3 +177,9 @@ def check_train_batches(runner: PipelineRunner, config: PipelineConfig, sizes: A
             )
         if last:
             runner.microbatches_for(last, training=True)
+
+
+def start_training(runner: PipelineRunner, config: PipelineConfig, sizes: Any) -> None:
+    """Before the first training step: the batches checked, and this rank's dropout on its stage's own stream."""
+    check_train_batches(runner, config, sizes)
+    separate_stage_streams(runner.pp_rank)

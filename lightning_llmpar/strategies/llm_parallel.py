@@ -28,7 +28,7 @@ from lightning_llmpar.fault_tolerance.replica_groups import ReplicaGroupEnv, Rep
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.pipeline.check import step_on_one_sample
 from lightning_llmpar.pipeline.runner import PipelineRunner
-from lightning_llmpar.pipeline.setup import check_train_batches
+from lightning_llmpar.pipeline.setup import start_training
 from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.strategies.checkpoints import CheckpointingStrategy
 from lightning_llmpar.strategies.options import BACKENDS, START_METHODS, validate_options
@@ -363,7 +363,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
         if self._replicas is not None:
             self._replicas.on_train_start()
         if self._runner is not None:
-            check_train_batches(self._runner, self.pipeline, train_batch_sizes(self.lightning_module.trainer))
+            start_training(self._runner, self.pipeline, train_batch_sizes(self.lightning_module.trainer))
 
     @property
     def pipeline_runner(self) -> PipelineRunner | None:

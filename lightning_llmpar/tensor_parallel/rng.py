@@ -1,5 +1,6 @@
 """Dropout under tensor parallelism, Megatron-style: one random stream where activations are replicated over
-the tensor-parallel ranks, a stream per rank where each holds different data (its heads, features or tokens).
+the tensor-parallel ranks, a stream per rank where each holds different data (its heads, features or tokens);
+and a stream per pipeline rank, whose blocks are different layers (``separate_stage_streams``).
 
 Replicated activations must be dropped identically on every rank (they are the same tensor); sharded ones must
 not (identical masks on different heads would correlate them). A region runs on a seed drawn from the shared
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["apply_rank_streams"]
+__all__ = ["apply_rank_streams", "separate_stage_streams"]
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: seeds of neighbouring ranks are far apart
 
@@ -101,3 +102,14 @@ def apply_rank_streams(
         module.register_forward_hook(leave)
         for row in rows:
             model.get_submodule(row).register_forward_pre_hook(leave)
+
+
+def separate_stage_streams(pp_rank: int) -> None:
+    """Put this pipeline rank on its own random stream before training. Every rank starts from the seed
+    ``seed_everything`` gave all of them, so block k on the first stage and block k + n/pp on the next drew the
+    same dropout mask for each microbatch, where one process draws independent ones (Megatron offsets its seed by
+    the pipeline rank). Ranks after the first draw one number from the shared stream and mix their pipeline rank
+    into it; the ranks of one stage (tensor, context and data parallel) stay on one stream, as each expects."""
+    if pp_rank:
+        seed = int(torch.randint(0, 2**62, (), device="cpu"))
+        _seed((seed + pp_rank * _MIX) % 2**63)
