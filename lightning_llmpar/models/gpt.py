@@ -220,6 +220,9 @@ class GPT(nn.Module):
                 position_ids = positions_from_documents(document_ids)
         if self.config.block_size < T:
             raise ValueError(f"Sequence length {T} exceeds block_size {self.config.block_size}.")
+        for m in self.modules():  # aux_loss sums what this forward's MoE layers leave
+            if isinstance(m, MoE):
+                m.aux_loss = None
         x = self.tok_emb(idx)
         if position_ids is None:
             cos, sin = self.rope_cos[:T], self.rope_sin[:T]
@@ -232,4 +235,11 @@ class GPT(nn.Module):
     def aux_loss(self) -> Tensor:
         """The MoE layers' load-balancing losses of the last forward, summed (0 for a dense model)."""
         losses = [m.aux_loss for m in self.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+        if self.config.n_expert and len(losses) != self.config.n_layer:
+            raise ValueError(
+                f"The load-balancing loss sums every MoE layer's, but the last forward ran {len(losses)} of"
+                f" {self.config.n_layer} here: under pipeline parallelism each stage runs its own layers and only the"
+                " last computes the loss. Set moe_aux_loss_coef=0 with pipeline_parallel > 1, or train this MoE with"
+                " expert, tensor and data parallelism."
+            )
         return torch.stack(losses).sum() if losses else self.lm_head.weight.new_zeros(())

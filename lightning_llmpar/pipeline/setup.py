@@ -107,6 +107,15 @@ def build_pipeline(
             f" '{containers[0]}') are containers without a forward that the model never calls. Name a stack of blocks"
             " its forward calls with block_stack='...', or train this model with tensor and data parallelism."
         )
+    router = next((m for m in module.modules() if getattr(getattr(m, "config", None), "output_router_logits", False)), None)
+    if router is not None:  # transformers' MoE models (Mixtral, Qwen-MoE, ...)
+        raise ValueError(
+            f"{type(router).__name__} returns its router logits (output_router_logits=True) for transformers'"
+            " load-balancing loss, which is computed over every layer's logits at once; under pipeline parallelism the"
+            " last stage holds only its own layers', so that loss and the routers' gradients would not be one"
+            " process's. Set output_router_logits=False in the model's config, or train it with expert, tensor and"
+            " data parallelism (pipeline_parallel=1)."
+        )
     num_stages = config.degree * config.virtual_stages
     with checkable(module) as real:
         # The user's step, whole (which also shows what runs before and after the blocks) and then stage by

@@ -212,3 +212,34 @@ def test_pretrained_weights_in_and_out_and_resume_across_layouts(tmp_path) -> No
         for i in range(3):
             loss = sum(r["losses"][i] for r in results) / len(results)
             assert abs(loss - whole[(name, "None")]["losses"][i]) < 1e-5, (kwargs, i, loss)
+
+
+def _gpt_moe_with_aux_on_a_pipeline() -> str:
+    from lightning.pytorch import Trainer, seed_everything
+
+    from lightning_llmpar.models import GPTModule
+
+    seed_everything(0, verbose=False)
+    module = GPTModule(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_kv_head=1, n_embd=16, n_expert=4,
+                       moe_aux_loss_coef=0.01)
+    x = torch.randint(0, 32, (8, 17), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.DataLoader(list(zip(x[:, :-1], x[:, 1:])), batch_size=8)
+    trainer = Trainer(accelerator="cpu", devices=2, max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                      strategy=LLMParallelStrategy(pipeline_parallel=2, pipeline_schedule="1F1B"))
+    try:
+        trainer.fit(module, train_dataloaders=data)
+    except ValueError as err:
+        return str(err)
+    return "trained"
+
+
+def test_load_balancing_losses_under_a_pipeline_are_refused() -> None:
+    # Computed on the last stage, they saw its layers only: transformers' over the last stage's router logits (the
+    # first stage's routers got no gradient from it), the example GPT's over its own MoE layers (half the term at
+    # pp2 under 1F1B; under the interleaved schedule a crash, summing a stale value of the rank's other stage).
+    hf = run_ranks(fit_cases, 2, [("mixtral_aux", {"pipeline_parallel": 2}, 4)])
+    assert all("output_router_logits=True" in out[("mixtral_aux", repr({"pipeline_parallel": 2}))]["error"]
+               for out in hf)
+    said = run_ranks(_gpt_moe_with_aux_on_a_pipeline, 2)
+    assert any("the last forward ran 2 of 4" in s and "moe_aux_loss_coef=0" in s for s in said), said
