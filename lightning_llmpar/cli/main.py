@@ -73,14 +73,15 @@ def _strategy_from_path(name: str) -> str | Strategy:
 
 
 def _newest_run_checkpoint(trainer: Trainer) -> Path | None:
-    """For ``--ckpt_path last`` with the command's default checkpoint, which writes into each run's own folder
+    """For ``--ckpt_path last`` with a checkpoint callback without a folder of its own (the command's default, or a
+    user's ``ModelCheckpoint`` without ``dirpath``), which writes into each run's own folder
     (``save_dir/name/<run>/checkpoints``), where Lightning looks for "last" only in this run's (new, empty) one: the
     newest complete ``last`` checkpoint of the runs beside it. None without a logger (one folder for every run,
-    where Lightning finds it) or with a checkpoint callback of the user's."""
+    where Lightning finds it) or with a ``dirpath`` (Lightning looks there)."""
     from lightning_llmpar.checkpointing.scan import checkpoint_problem
 
     ckpt = trainer.checkpoint_callback
-    if not isinstance(ckpt, _PeriodicCheckpoint) or ckpt.dirpath is not None or not trainer.loggers:
+    if not isinstance(ckpt, ModelCheckpoint) or ckpt.dirpath is not None or not trainer.loggers:
         return None
     logger = trainer.loggers[0]
     runs = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name)

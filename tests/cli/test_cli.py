@@ -297,6 +297,28 @@ def test_cli_resumes_mid_epoch_on_the_batches_of_an_unstopped_run(tmp_path: Path
         assert abs(loss - whole[step]) <= 1e-6 * max(1.0, abs(loss)), (step, loss, whole[step])
 
 
+def test_ckpt_path_last_finds_an_earlier_run_of_a_users_checkpoint_callback(tmp_path: Path) -> None:
+    # A user's ModelCheckpoint without dirpath writes into each run's logger folder too, where Lightning looks for
+    # "last" only in the new run's (empty) one: the run started again from step 0, saying only that no last
+    # checkpoint was available. With a dirpath, Lightning finds it itself.
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_llmpar.cli.main import _newest_run_checkpoint
+
+    earlier = tmp_path / "logs" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_bytes(b"a checkpoint")
+
+    def trainer(**kw: Any) -> Trainer:
+        return Trainer(logger=CSVLogger(tmp_path / "logs"), callbacks=[ModelCheckpoint(save_last=True, **kw)],
+                       enable_progress_bar=False, enable_model_summary=False)
+
+    assert _newest_run_checkpoint(trainer()) == earlier
+    assert _newest_run_checkpoint(trainer(dirpath=tmp_path / "mine")) is None
+
+
 def test_schedule_spans_an_epoch_bounded_run() -> None:
     # `llmpar fit` links trainer.max_steps into the model's total_steps: -1 for a run bounded by epochs (and in
     # configs `llmpar plan` wrote), where the cosine used to drop to its 10% floor right after the warm-up.
