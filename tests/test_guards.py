@@ -319,3 +319,13 @@ def test_llmpar_verify_passes_on_a_good_layout(tmp_path: Path) -> None:
                             text=True, timeout=600, env={**os.environ, "WANDB_MODE": "offline"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "PASS" in result.stdout and "first parameter whose gradient differs" not in result.stdout
+
+
+def test_a_missing_model_directory_is_named() -> None:
+    # transformers took it for a Hub id: "Repo id must be in the form 'repo_name' or 'namespace/repo_name'".
+    from lightning_llmpar.models import HFCausalLM
+
+    with pytest.raises(ValueError, match=r"HFCausalLM\(model='/no/such/model'\): no directory by that name"):
+        HFCausalLM(model="/no/such/model")
+    with pytest.raises(ValueError, match=r"model='./nope'"):
+        HFCausalLM(model="./nope")

@@ -11,6 +11,7 @@ checkpoint of that config (config.json + safetensors), offline, to try the workf
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +43,10 @@ class HFCausalLM(FineTuneModule):
         attn_implementation: str = "sdpa",
     ) -> None:
         super().__init__()
+        if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().is_dir():
+            # transformers takes a missing path for a Hub id and says the id is malformed
+            raise ValueError(f"HFCausalLM(model={model!r}): no directory by that name (relative paths are read from"
+                             f" {Path.cwd()}). Give the directory that holds the model's config.json.")
         self.save_hyperparameters()
         self.model: Any = None
 
