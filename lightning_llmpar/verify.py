@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_llmpar.launch import run_ranks
+from lightning_llmpar.training.batches import batch_size
 
 __all__ = ["ParityReport", "verify_parity"]
 
@@ -104,6 +105,10 @@ class _Batches:
 
     def __init__(self, batches: list[Any]) -> None:
         self.batches = batches
+        # What the strategy reads of a DataLoader to check the batches before the first step (that the pipeline's
+        # microbatches divide them, as `llmpar fit` checks its loaders): every batch has the first one's size.
+        self.batch_size = batch_size(batches[0]) if batches else None
+        self.sampler, self.drop_last = range(len(batches) * (self.batch_size or 0)), True
 
     def __iter__(self) -> Any:
         return iter(self.batches)

@@ -329,3 +329,12 @@ def test_a_missing_model_directory_is_named() -> None:
         HFCausalLM(model="/no/such/model")
     with pytest.raises(ValueError, match=r"model='./nope'"):
         HFCausalLM(model="./nope")
+
+
+def test_parity_check_refuses_microbatches_that_do_not_divide_the_batch() -> None:
+    # `llmpar fit` refused pipeline_microbatches=3 on batches of 8; the parity check ran them as 2 microbatches,
+    # unsaid, and passed the config.
+    pytest.importorskip("transformers")
+    layout = {"pipeline_parallel": 2, "pipeline_schedule": "1F1B", "pipeline_microbatches": 3}
+    with pytest.raises(RuntimeError, match=r"Batch size 8 is not divisible by pipeline_microbatches=3"):
+        verify_parity(_PaddedLlama, _PaddedRows, layout, 2, steps=2, verbose=False)
