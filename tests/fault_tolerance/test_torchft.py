@@ -311,7 +311,11 @@ def _lighthouse() -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "lightning_llmpar.cli", "lighthouse", "--port", str(port),
                              "--heartbeat-timeout-ms", "3000"], env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert "TORCHFT_LIGHTHOUSE=" in proc.stdout.readline()
+    # The address line (stdout) and torchft's own "listening" line (stderr, merged here) come in either order.
+    lines = [proc.stdout.readline()]
+    if "TORCHFT_LIGHTHOUSE=" not in lines[0]:
+        lines.append(proc.stdout.readline())
+    assert "TORCHFT_LIGHTHOUSE=" in lines[-1], lines
     return proc, f"http://127.0.0.1:{port}"
 
 
