@@ -117,6 +117,8 @@ FULL: list[tuple[str, str]] = [
     ("tests/test_planner.py::test_two_ranks_under_bf16_autocast_peak_near_the_prediction",
      "four two-rank layouts in bf16 (one process in bf16 is fast)"),
     ("tests/cli/test_quiet_run.py::test_main_job_prints_each_warning_once", "the eight-process main job"),
+    ("tests/expert_parallel/test_expert_parallel.py::test_load_balancing_losses_under_a_pipeline_are_refused",
+     "two two-rank launches refused at set-up and at the first step"),
     ("tests/test_guards.py::test_parity_check_refuses_microbatches_that_do_not_divide_the_batch",
      "a two-rank parity check refused at its first step (fit's own check is fast in tests/pipeline)"),
     ("tests/cli/test_quiet_run.py::test_llmpar_plan_of_a_transformers_model_says_only_the_plan",
