@@ -84,6 +84,15 @@ class Zipped(_Base):
         return x
 
 
+class Indexed(Zipped):
+    """A forward that indexes its blocks: ``for i in range(len(self.layers)): self.layers[i](...)``."""
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(len(self.layers)):
+            x = self.layers[i](x, self.layer_types[i])
+        return x
+
+
 class ReusesEmbedding(Zipped):
     """Every block also adds the embedding output: a value from before the stack, used after it."""
 
@@ -250,7 +259,7 @@ class GPTMoE(ShiftedLM):
         return self.aux * self.model.aux_loss() if self.aux else 0.0
 
 
-CUSTOM = {"containers": Containers, "zipped": Zipped, "reuses_embedding": ReusesEmbedding, "unchained": Unchained,
+CUSTOM = {"containers": Containers, "zipped": Zipped, "indexed": Indexed, "reuses_embedding": ReusesEmbedding, "unchained": Unchained,
           "passes_state": PassesState, "looped": Looped, "reads_embedding": ReadsEmbedding,
           "reads_gated_embedding": ReadsGatedEmbedding,
           "gpt_moe": GPTMoE, "titan_tied": TitanLM, "titan_untied": TitanLM}

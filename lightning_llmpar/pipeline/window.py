@@ -141,7 +141,16 @@ class _StageBlocks(_Window, nn.ModuleList):
     def __getitem__(self, idx: int | slice) -> Any:  # type: ignore[override]
         if isinstance(idx, slice):
             return [m for _, m in self._active(range(self._llmpar_total)[idx])]
-        return self._modules[str(idx if idx >= 0 else self._llmpar_total + idx)]
+        i = idx if idx >= 0 else self._llmpar_total + idx
+        window = self._llmpar_window
+        if window is not None and 0 <= i < window[0]:
+            return self._llmpar_passes[i]  # a forward that indexes (layers[i]) reaches it as iteration does
+        if str(i) not in self._modules:
+            held = [int(k) for k in self._modules]
+            raise IndexError(f"Block {idx} of {self._llmpar_total} is on another pipeline rank; this rank holds blocks"
+                             f" {held[0]}-{held[-1]}. Code outside the model's forward reaches only these." if held
+                             else f"Block {idx} is on another pipeline rank; this rank holds none of the stack.")
+        return self._modules[str(i)]
 
 
 class _StageBlockDict(_Window, nn.ModuleDict):

@@ -26,6 +26,9 @@ EXACT = [
     ("zipped", PP2),  # blocks paired with a per-layer list by position
     ("zipped", {**PP2, "block_stack": "layers"}),
     ("zipped", {"tensor_parallel": 2}),
+    # layers[i] for i in range(len(layers)): a stage reaches the blocks before its window as pass-throughs, as
+    # iteration does (it failed on the second rank with KeyError: '0')
+    ("indexed", PP2),
     # Blocks return (output, state), found by running the model whole (the meta device cannot run them); a stage
     # starting at a block that makes its own state gets a pass-through's (activation, None).
     ("passes_state", {**PP2, "pipeline_schedule": "1F1B"}),
@@ -65,7 +68,7 @@ def litgpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
 
 @pytest.fixture(scope="module")
 def runs(litgpt_dir: Path | None) -> tuple[dict, dict]:
-    names = ("containers", "zipped", "passes_state", "reads_embedding", "reads_gated_embedding", "titan_untied")
+    names = ("containers", "zipped", "indexed", "passes_state", "reads_embedding", "reads_gated_embedding", "titan_untied")
     refs = [(m, None, BATCH) for m in names]
     cases = [(m, kw, _per_rank(kw)) for m, kw in EXACT] + [(m, kw, _per_rank(kw)) for m, kw, _ in REFUSED]
     if litgpt_dir is not None:
