@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks.gpu.train import cluster_kind
 from lightning_llmpar.planner import Candidate, cluster_from
 from lightning_llmpar.planner.kernels import attention_flops, ring_attention_bytes
 from lightning_llmpar.planner.spec import ModelSpec
@@ -133,7 +134,7 @@ def ring_attention(accelerator: str, *, heads: int = 32, head_dim: int = 128, to
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v, dout = (torch.randn(1, heads, tokens, head_dim, device=device, dtype=dtype, generator=g) for _ in range(4))
-    kind = "cpu" if device.type == "cpu" else "h200" if "H200" in torch.cuda.get_device_name(device) else "h100"
+    kind = cluster_kind("cpu" if device.type == "cpu" else torch.cuda.get_device_name(device))
     rows = []
     for cp in cps:
         out, lse = _forward(q, k, v, cp, kernels_only=False)

@@ -108,7 +108,7 @@ def repredict(path: Path) -> dict[str, Any]:
     """Rewrite each run's ``planner`` entry in a written report with the current planner, for the device the report
     names, and its summary; the measurements stay as they are."""
     from benchmarks.gpu.ring import with_prediction
-    from benchmarks.gpu.train import predict
+    from benchmarks.gpu.train import cluster_kind, predict
 
     report = json.loads(path.read_text())
     device = "cpu" if report["dry_run"] else report["device"]
@@ -117,8 +117,7 @@ def repredict(path: Path) -> dict[str, Any]:
             run["planner"] = predict(run["model"], run["batch"], device, run["checkpointing"],
                                      run["compile"], run["float8"], run["holds_previous_grads"])
         if isinstance(run, dict) and "rows" in run:  # the ring attention section
-            kind = "cpu" if device == "cpu" else "h200" if "H200" in device else "h100"
-            run["rows"] = [with_prediction(r, run["heads"], run["head_dim"], run["tokens_per_rank"], kind)
+            run["rows"] = [with_prediction(r, run["heads"], run["head_dim"], run["tokens_per_rank"], cluster_kind(device))
                            for r in run["rows"]]
     report["summary"] = _summary(report["sections"])
     path.write_text(json.dumps(report, indent=1, default=str) + "\n")

@@ -19,7 +19,7 @@ from lightning_llmpar.planner.cluster import PRECISIONS
 from lightning_llmpar.planner.speed import model_flops_per_token
 from lightning_llmpar.precision.plugins import BF16Precision, FP8Precision
 
-__all__ = ["predict", "train"]
+__all__ = ["cluster_kind", "predict", "train"]
 
 GiB = 2**30
 # The planner's name for each checkpointing setting of the ActivationCheckpointing callback (None: not modelled).
@@ -63,6 +63,11 @@ def _checkpointing(mode: str, budget_mb: float | None) -> ActivationCheckpointin
     return ActivationCheckpointing(mode=mode)  # full, every_k (every 2nd block), selective (keep attention)
 
 
+def cluster_kind(device_name: str) -> str:
+    """The planner's preset for a device by its name ('cpu', or what torch.cuda.get_device_name says)."""
+    return "cpu" if device_name == "cpu" else "h200" if "H200" in device_name else "h100"
+
+
 def predict(model: dict[str, int], batch: int, device_name: str, checkpointing: str, compile: bool,
             float8: str | None, holds_previous_grads: bool = False) -> dict[str, Any] | None:
     """The planner's step time, tokens/s, MFU and reserved peak for this run on one device of the kind found."""
@@ -70,7 +75,7 @@ def predict(model: dict[str, int], batch: int, device_name: str, checkpointing: 
     if mode is None:
         return None
     spec = model_spec(model)
-    kind = "cpu" if device_name == "cpu" else "h200" if "H200" in device_name else "h100"
+    kind = cluster_kind(device_name)
     cluster = cluster_from(kind, gpus_per_node=1)
     p = PRECISIONS["fp8" if float8 else "bf16-mixed"]
     c = Candidate(micro_batch=batch, checkpointing=mode, compile=compile, float8=float8,  # type: ignore[arg-type]
