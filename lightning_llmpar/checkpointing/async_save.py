@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import io
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
@@ -233,6 +234,16 @@ class AsyncSaveHooks:
     def _wait_for_saves(self) -> None:
         if self._async_saves is not None and self._async_live:
             self._async_saves.wait()
+
+    @contextmanager
+    def saving_in_foreground(self) -> Iterator[None]:
+        """Saves inside the block are committed when it ends, the one in flight before it starts (every rank)."""
+        self._wait_for_saves()
+        live, self._async_live = self._async_live, False
+        try:
+            yield
+        finally:
+            self._async_live = live
 
     def on_train_start(self) -> None:
         super().on_train_start()  # type: ignore[misc]

@@ -79,10 +79,13 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
 
     Resume with ``trainer.fit(..., ckpt_path="last")``: the newest intact checkpoint is used. Its checkpoints carry
     the run's lineage (kept across resumes); pruning removes only checkpoints of that lineage, and a fresh run into
-    a folder holding other checkpoints is refused before its first step.
+    a folder holding other checkpoints is refused before its first step. Under ``LLMParallelStrategy`` a SIGTERM
+    (a preemption notice) stops every rank at the end of one step, which is saved first (``save_on_preemption``).
     """
 
-    def __init__(self, dirpath: str, every_n_train_steps: int = 50, keep_last: int = 3) -> None:
+    def __init__(
+        self, dirpath: str, every_n_train_steps: int = 50, keep_last: int = 3, save_on_preemption: bool = True
+    ) -> None:
         if every_n_train_steps < 1 or keep_last < 1:
             raise ValueError(
                 f"every_n_train_steps ({every_n_train_steps}) and keep_last ({keep_last}) must be at least 1."
@@ -92,7 +95,7 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
             save_top_k=-1, every_n_train_steps=every_n_train_steps, save_on_train_epoch_end=False,
             enable_version_counter=False,
         )
-        self.keep_last = keep_last
+        self.keep_last, self.save_on_preemption = keep_last, save_on_preemption
         self.lineage: str | None = None  # this run's id, restored on resume (see load_state_dict)
         self._position: dict[str, int] | None = None
 
@@ -137,6 +140,11 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int) -> None:
         count_batch(trainer, batch, idx)  # before the save below, which stores the position
         super().on_train_batch_end(trainer, pl_module, outputs, batch, idx)
+        # A SIGTERM every rank agreed on (fault_tolerance.preemption): this step is the run's last, so it is saved
+        # where a periodic save would be, and the resumed run loses nothing.
+        if (self.save_on_preemption and getattr(trainer.strategy, "preempted", False)
+                and self._last_global_step_saved != trainer.global_step):
+            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._refuse_foreign(trainer)  # after the restore (which sets ckpt_path and the lineage), before step one

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +63,13 @@ class DrillData(LightningDataModule):
 
 
 class DrillModule(GPTModule):
-    def __init__(self, out: Path, kill_at: int) -> None:
+    def __init__(self, out: Path, kill_at: int, preempt: tuple[float, ...] = ()) -> None:
         super().__init__(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, n_kv_head=2, n_embd=32,
                          learning_rate=1e-2, warmup_steps=2, total_steps=40)
         self.out, self.kill_at = out, kill_at
+        # (step, delay of rank 0's SIGTERM, of rank 1's...): a preemption notice reaching the ranks at moments
+        # apart, on a timer, so it lands wherever that rank is (a delay < 0: that rank gets none).
+        self.preempt = preempt
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, ids = (batch["input_ids"], batch["targets"], batch["ids"]) if isinstance(batch, dict) else batch
@@ -76,6 +80,9 @@ class DrillModule(GPTModule):
             f.write(json.dumps({"step": step, "epoch": self.trainer.current_epoch, "ids": ids.tolist()}) + "\n")
         if step == self.kill_at and rank == 1 and _first_time(self.out / "killed"):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.preempt and step == self.preempt[0] and self.preempt[1 + rank] >= 0 and _first_time(
+                self.out / f"preempted{rank}"):
+            threading.Timer(self.preempt[1 + rank], os.kill, (os.getpid(), signal.SIGTERM)).start()
         return super().training_step((x, y), batch_idx)
 
 
@@ -101,16 +108,17 @@ def _kill_while_saving(out: Path) -> None:
 
 def train(out: Path, steps: int = 12, kill_at: int = -1, kill_in_save: bool = False,
           strategy: dict[str, Any] | None = None, timeout_s: float = 1800, save_every: int = 3,
-          dict_batches: bool = False) -> int:
+          dict_batches: bool = False, preempt: tuple[float, ...] = ()) -> int:
     """Train to ``steps`` from the newest intact checkpoint in ``out/ckpt`` (if any); returns the final step.
-    ``dict_batches``: dict batches, Lightning's own distributed-sampler setting and a throughput callback."""
+    ``dict_batches``: dict batches, Lightning's own distributed-sampler setting and a throughput callback;
+    ``preempt``: a SIGTERM to each rank at a step (see DrillModule)."""
     from datetime import timedelta
 
     torch.set_num_threads(1)
     if kill_in_save:
         _kill_while_saving(out)
     seed_everything(0, verbose=False)
-    module = DrillModule(out, kill_at)
+    module = DrillModule(out, kill_at, preempt)
     trainer = Trainer(
         accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
         strategy=LLMParallelStrategy(**(strategy or {"zero_stage": 3}), timeout=timedelta(seconds=timeout_s)),

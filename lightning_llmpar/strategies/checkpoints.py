@@ -21,14 +21,16 @@ from lightning_llmpar.checkpointing import dcp as ckpt
 from lightning_llmpar.checkpointing.async_save import AsyncSaveHooks
 from lightning_llmpar.checkpointing.manifest import LINEAGE_KEY, foreign_files, remove_owned
 from lightning_llmpar.data_parallel.backend import ShardingBackend
+from lightning_llmpar.fault_tolerance.preemption import PreemptionHooks
 from lightning_llmpar.strategies.mesh import MeshStrategy
 
 __all__ = ["CheckpointingStrategy"]
 
 
-class CheckpointingStrategy(AsyncSaveHooks, MeshStrategy):
+class CheckpointingStrategy(PreemptionHooks, AsyncSaveHooks, MeshStrategy):
     """Lightning's checkpoint hooks for a strategy whose sharding backend (``_backend``) writes and reads them,
-    in the background with ``async_checkpoint=True`` (see ``checkpointing.async_save``)."""
+    in the background with ``async_checkpoint=True`` (see ``checkpointing.async_save``); preemption signals acted
+    on at one step by every rank (``fault_tolerance.preemption``)."""
 
     _backend: ShardingBackend
 

@@ -1,0 +1,62 @@
+"""A SIGTERM (a scheduler's preemption notice) stops every rank at one step, saved, and the resumed run is exact.
+
+The signal comes from a timer in each rank, so it lands wherever that rank is: mid-step, in a collective, while a
+background save is written. Lightning's own handler joins a broadcast inside the signal handler; with the ranks
+signalled 40 ms apart that met training's collectives and hung the job until the process-group timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_llmpar.fault_tolerance.callbacks import checkpoint_problem, newest_complete_checkpoint
+from lightning_llmpar.fault_tolerance.drill import STEPS, committed_samples, run_until_done, train
+from tests.distributed import run_ranks
+from tests.fault_tolerance.test_fault_tolerance import _assert_same_run
+
+CASES = {
+    # (step, rank 0's delay, rank 1's delay): seconds after that step's batch reached the module
+    "both_ranks_40ms_apart": ({"zero_stage": 3}, (4, 0.01, 0.05)),
+    "one_rank_async_save": ({"zero_stage": 3, "async_checkpoint": True}, (4, -1, 0.02)),
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], dict]:
+    out = tmp_path_factory.mktemp("reference")
+    assert run_until_done(out, restarts=0) == 0
+    return torch.load(out / "final.pt"), committed_samples(out)
+
+
+def _steps_run(out: Path, rank: int) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / f"seen_rank{rank}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sigterm_stops_every_rank_at_one_saved_step_and_the_run_resumes_exactly(
+    tmp_path: Path, uninterrupted: tuple[dict[str, torch.Tensor], dict], case: str
+) -> None:
+    strategy, preempt = CASES[case]
+    start = time.monotonic()
+    # A 30-minute process-group timeout, as by default: a hang fails the launch's own 150 s limit.
+    with pytest.raises(RuntimeError) as stopped:
+        run_ranks(train, 2, tmp_path, STEPS, -1, False, strategy, 1800.0, 5, False, preempt, timeout=150)
+    seconds = time.monotonic() - start
+    assert str(stopped.value).count("exceptions.SIGTERMException\n") == 2, str(stopped.value)[-3000:]
+    assert seconds < 60, f"the preempted run took {seconds:.0f} s to stop"
+    stop = _steps_run(tmp_path, 0)[-1] + 1  # steps completed when every rank stopped
+    assert _steps_run(tmp_path, 1)[-1] + 1 == stop, "the ranks stopped at different steps"
+    assert preempt[0] < stop < STEPS and stop % 5 != 0, f"stopped after step {stop}, not one saved periodically"
+    newest = newest_complete_checkpoint(tmp_path / "ckpt")
+    assert newest is not None and newest.name == f"step={stop}.ckpt" and checkpoint_problem(newest) is None
+    assert not any(p.name.startswith(".") for p in (tmp_path / "ckpt").iterdir()), "a staging folder was left"
+
+    assert run_until_done(tmp_path, restarts=0, strategy=strategy, save_every=5) == 0
+    for rank in (0, 1):
+        assert _steps_run(tmp_path, rank) == list(range(STEPS)), "a step was lost or run twice"
+    _assert_same_run(tmp_path, uninterrupted)
