@@ -33,12 +33,13 @@ class _PeriodicCheckpoint(ModelCheckpoint):
     ModelCheckpoint saves ``last`` at the end only when it has never saved, so a run whose length is not a multiple
     of the period ended with a stale ``last``, which the command reports as the run's checkpoint. The last step is
     saved where the periodic saves are, when the run is known to stop (``max_steps``, ``max_time`` at a batch's end,
-    early stopping at a validation's): by the end of training Lightning counts the epoch as finished, and a run
-    resumed from a checkpoint saved there would start the next epoch's data."""
+    a preemption's SIGTERM, early stopping at a validation's): by the end of training Lightning counts the epoch as
+    finished, and a run resumed from a checkpoint saved there would start the next epoch's data."""
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
         super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
-        if 0 < trainer.max_steps <= trainer.global_step or trainer.should_stop:
+        preempted = getattr(trainer.strategy, "preempted", False)  # a SIGTERM: this step is the last
+        if 0 < trainer.max_steps <= trainer.global_step or trainer.should_stop or preempted:
             self._save_last_now(trainer)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

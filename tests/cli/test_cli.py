@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -246,14 +248,16 @@ def test_cli_logs_the_loss_one_process_logs(tmp_path: Path, layout: tuple[str, s
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), f"step {step}: {b} logged at {layout[0]}, one process {a}"
 
 
-@pytest.mark.parametrize("stop", ["max_steps", "early_stopping"])
+@pytest.mark.parametrize("stop", ["max_steps", "early_stopping", "preemption"])
 def test_final_checkpoint_holds_the_last_step_mid_epoch(stop: str) -> None:
     # ModelCheckpoint saves `last` at the end only if it never saved: a 60-step run with saves every 50 reported
     # step 50's. And a save at the end of training records the epoch as finished, so a run resumed from it started
-    # the next epoch's data. The command's default saves the last step where the run is known to stop.
-    from lightning.pytorch import Trainer
+    # the next epoch's data. The command's default saves the last step where the run is known to stop; after a
+    # SIGTERM (noted during step 5, acted on before step 6, which is then the last) under LLMParallelStrategy too.
+    from lightning.pytorch import Callback, Trainer
     from lightning.pytorch.callbacks import EarlyStopping
     from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from lightning_llmpar.cli.main import _PeriodicCheckpoint
 
@@ -261,15 +265,24 @@ def test_final_checkpoint_holds_the_last_step_mid_epoch(stop: str) -> None:
         def validation_step(self, batch: Any, batch_idx: int) -> None:
             self.log("val", float(self.global_step))  # rising: early stopping stops at its second validation
 
+    class Preempt(Callback):
+        def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+            if trainer.global_step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+
     with tempfile.TemporaryDirectory() as folder:
         checkpoint = _PeriodicCheckpoint(dirpath=folder, save_last=True, every_n_train_steps=4)
-        callbacks = [checkpoint] + ([EarlyStopping("val", patience=0)] if stop == "early_stopping" else [])
+        callbacks = [checkpoint, *{"early_stopping": [EarlyStopping("val", patience=0)], "preemption": [Preempt()]}
+                     .get(stop, [])]
+        strategy = {"strategy": LLMParallelStrategy(), "accelerator": "cpu", "devices": 1} if stop == "preemption" else {}
         trainer = Trainer(max_steps=6 if stop == "max_steps" else 20, logger=False, callbacks=callbacks,
                           enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
-                          val_check_interval=3, num_sanity_val_steps=0)
-        trainer.fit(Model())  # 32 batches an epoch
-        saved = torch.load(checkpoint.last_model_path, weights_only=True)
+                          val_check_interval=3, num_sanity_val_steps=0, **strategy)
+        with pytest.raises(SIGTERMException) if stop == "preemption" else contextlib.nullcontext():
+            trainer.fit(Model())  # 32 batches an epoch
         assert Path(checkpoint.last_model_path).name == "last.ckpt"
+        last = Path(checkpoint.last_model_path)
+        saved = torch.load(last / "meta.pt" if last.is_dir() else last, weights_only=True)
         assert (saved["global_step"], saved["epoch"]) == (6, 0), (saved["global_step"], saved["epoch"])
 
 
