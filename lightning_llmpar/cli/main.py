@@ -221,8 +221,12 @@ def verify(args: list[str]) -> int:
 
 
 def console() -> None:
-    """Entry point of the `llmpar` command (returns nothing, so the exit status is 0 on success)."""
+    """Entry point of the `llmpar` command (returns nothing, so the exit status is 0 on success; 143 after a
+    SIGTERM stopped training)."""
+    import signal
     import sys
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     quiet_known_warnings()
     if sys.argv[1:2] == ["verify"]:
@@ -235,7 +239,12 @@ def console() -> None:
         from lightning_llmpar.cli.lighthouse import lighthouse_command
 
         sys.exit(lighthouse_command(sys.argv[2:]))
-    main()
+    try:
+        main()
+    except SIGTERMException:
+        # Lightning stops a SIGTERMed run with a bare SystemExit, status 0: a scheduler's retry policy would count
+        # the preempted run as finished. The status a SIGTERM gives a process that does not handle it instead.
+        sys.exit(128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":

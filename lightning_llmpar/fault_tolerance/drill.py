@@ -68,7 +68,8 @@ class DrillModule(GPTModule):
                          learning_rate=1e-2, warmup_steps=2, total_steps=40)
         self.out, self.kill_at = out, kill_at
         # (step, delay of rank 0's SIGTERM, of rank 1's...): a preemption notice reaching the ranks at moments
-        # apart, on a timer, so it lands wherever that rank is (a delay < 0: that rank gets none).
+        # apart, on a timer, so it lands wherever that rank is (a delay < 0: that rank gets none; a step < 0: at
+        # the module's on_train_start, after the callbacks' and before the first step).
         self.preempt = preempt
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -80,10 +81,18 @@ class DrillModule(GPTModule):
             f.write(json.dumps({"step": step, "epoch": self.trainer.current_epoch, "ids": ids.tolist()}) + "\n")
         if step == self.kill_at and rank == 1 and _first_time(self.out / "killed"):
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.preempt and step == self.preempt[0] and self.preempt[1 + rank] >= 0 and _first_time(
-                self.out / f"preempted{rank}"):
-            threading.Timer(self.preempt[1 + rank], os.kill, (os.getpid(), signal.SIGTERM)).start()
+        if self.preempt and step == self.preempt[0]:
+            self._preempt()
         return super().training_step((x, y), batch_idx)
+
+    def on_train_start(self) -> None:
+        if self.preempt and self.preempt[0] < 0:  # before the first step
+            self._preempt()
+
+    def _preempt(self) -> None:
+        rank = self.trainer.global_rank
+        if self.preempt[1 + rank] >= 0 and _first_time(self.out / f"preempted{rank}"):
+            threading.Timer(self.preempt[1 + rank], os.kill, (os.getpid(), signal.SIGTERM)).start()
 
 
 def _first_time(marker: Path) -> bool:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.trainer.states import TrainerFn
 
 __all__ = ["DeferredSignals", "PreemptionHooks"]
 
@@ -97,11 +98,20 @@ class PreemptionHooks:
     _signals: DeferredSignals | None = None
     preempted = False  # a SIGTERM was agreed on: this step is the last (FaultTolerantCheckpoint saves it)
 
-    def on_train_start(self) -> None:
-        super().on_train_start()  # type: ignore[misc]
-        # After Lightning registered its handlers (trainer._run), before the first batch.
-        self._signals = DeferredSignals(_signums(self.lightning_module.trainer))
-        self.preempted = False
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        # Deferred from the moment Lightning registers its handlers (in trainer._run, after set-up and restore):
+        # the sanity check and the callbacks' on_train_start (collectives, some of them) come after that.
+        connector = self.lightning_module.trainer._signal_connector
+        register = type(connector).register_signal_handlers.__get__(connector)
+
+        def register_then_defer() -> None:
+            register()
+            trainer = self.lightning_module.trainer
+            if trainer.state.fn == TrainerFn.FITTING:  # elsewhere nothing would act on a noted signal
+                self._signals, self.preempted = DeferredSignals(_signums(trainer)), False
+
+        connector.register_signal_handlers = register_then_defer  # this trainer's, replaced at each set-up
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]

@@ -406,3 +406,19 @@ def test_strategy_given_as_a_bare_class_path() -> None:
     assert isinstance(main(args, run=False).trainer.strategy, LLMParallelStrategy)
     with pytest.raises(ValueError, match="lightning_llmpar.NoSuchStrategy: neither a registered strategy name"):
         main([*args[:3], "lightning_llmpar.NoSuchStrategy", *args[4:]], run=False)
+
+
+def test_llmpar_fit_stopped_by_a_sigterm_exits_with_its_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Lightning stops a run after a SIGTERM with SIGTERMException, a SystemExit without a code: the command exited
+    # 0, and a retry policy (Kubernetes, a workflow engine) counted the preempted run as finished.
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    def preempted() -> None:
+        raise SIGTERMException
+
+    command = sys.modules["lightning_llmpar.cli.main"]  # the module (the package exports its `main` function)
+    monkeypatch.setattr(command, "main", preempted)
+    monkeypatch.setattr(sys, "argv", ["llmpar", "fit"])
+    with pytest.raises(SystemExit) as stopped:
+        command.console()
+    assert stopped.value.code == 143
