@@ -102,12 +102,14 @@ class PreemptionHooks:
         super().setup_environment()  # type: ignore[misc]
         # Deferred from the moment Lightning registers its handlers (in trainer._run, after set-up and restore):
         # the sanity check and the callbacks' on_train_start (collectives, some of them) come after that.
-        connector = self.lightning_module.trainer._signal_connector
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None:  # set up outside a Trainer: no handlers of Lightning's to defer
+            return
+        connector = trainer._signal_connector
         register = type(connector).register_signal_handlers.__get__(connector)
 
         def register_then_defer() -> None:
             register()
-            trainer = self.lightning_module.trainer
             if trainer.state.fn == TrainerFn.FITTING:  # elsewhere nothing would act on a noted signal
                 self._signals, self.preempted = DeferredSignals(_signums(trainer)), False
 
