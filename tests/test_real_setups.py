@@ -194,6 +194,13 @@ def test_deepspeed_runs_precision_plugins_in_the_engine() -> None:
     assert BF16Precision  # imported for the plugins above
 
 
+def test_deepspeed_refuses_double_precision() -> None:
+    # It trained the fp32 module (weights 1.8e-7 from one process's float64 run, 6e-8 from its fp32 one).
+    with pytest.raises(ValueError, match=r"precision='64-true' with sharding_backend='deepspeed'.*would be fp32"):
+        Trainer(accelerator="cpu", devices=2, precision="64-true", logger=False,
+                strategy=LLMParallelStrategy(sharding_backend="deepspeed", zero_stage=2))
+
+
 # ----------------------------------------------------------------------------------------- padding
 
 

@@ -48,8 +48,13 @@ def deepspeed_precision(plugin: Any) -> dict[str, Any]:
     autocast in bf16. FP8 has no DeepSpeed equivalent."""
     from lightning_llmpar.precision.plugins import BF16Precision, FP8Precision, FP16Precision
 
-    if plugin is None or type(plugin).__name__ in ("Precision", "DoublePrecision"):
+    if plugin is None or type(plugin).__name__ == "Precision":
         return {}
+    if type(plugin).__name__ == "DoublePrecision":  # the engine would train the fp32 module, silently
+        raise ValueError(
+            "precision='64-true' with sharding_backend='deepspeed': DeepSpeed's engine trains in fp32, fp16 or bf16,"
+            " so the run would be fp32. Use sharding_backend='fsdp2' (the default) for float64, or precision='32-true'."
+        )
     if isinstance(plugin, FP16Precision):
         from deepspeed.accelerator import get_accelerator
 
