@@ -444,7 +444,10 @@ def fit_case(
         enable_model_summary=False, use_distributed_sampler=False, callbacks=[record, *_checkpointing(checkpointing)],
         gradient_clip_val=None if manual else clip, accumulate_grad_batches=accumulate, plugins=plugins, precision=precision_flag,
     )
-    with trainer.init_module(empty_init=meta) if strategy_kwargs is not None else nullcontext():
+    # '64-true' makes parameters in float64 inside init_module (other random draws than fp32's and a cast): the
+    # reference makes them there too.
+    inside = strategy_kwargs is not None or precision == "64-true"
+    with trainer.init_module(empty_init=meta) if inside else nullcontext():
         from tests.custom_models import CUSTOM
 
         cls = LitGPTModule if name in LITGPT else CUSTOM.get(name, HFCausalLM)

@@ -312,15 +312,17 @@ class PipelineRunner:
         outs = self._outputs[-self._n_mb :] if self.is_last else []
         if method == "training_step":
             losses = [o.get("loss") if isinstance(o, dict) else o for o in outs]
-            value = torch.stack([loss.detach().float() for loss in losses]).mean() if losses else torch.zeros(())
-            counts = torch.tensor(self._tokens_of[-len(losses) :] if losses and self.tokens else [1.0], dtype=torch.float32)
-            tokens = counts.sum()
+            wide = float(bool(losses) and losses[0].dtype == torch.float64)  # '64-true': logged in float64 too
+            stacked = torch.stack([loss.detach().double().cpu() for loss in losses]) if losses else torch.zeros(1)
+            counts = torch.tensor(self._tokens_of[-len(losses) :] if losses and self.tokens else [1.0], dtype=torch.float64)
+            tokens, value = counts.sum(), stacked.mean()
             if losses and self.tokens is not None and float(tokens) > 0:  # the mean over the step's valid targets
-                value = (torch.stack([loss.detach().float().cpu() for loss in losses]) * counts).sum() / tokens
+                value = (stacked * counts).sum() / tokens
             has_extras = float(bool(outs) and isinstance(outs[0], dict) and len(outs[0]) > 1)
-            packed = torch.stack([value.cpu(), torch.tensor(has_extras), tokens]).to(self.device)  # one broadcast
-            dist.broadcast(packed, group=self.pp_group, group_src=self.last_rank)
-            value, self.step_loss, self.step_tokens = packed[0], packed[0], float(packed[2])
+            packed = torch.tensor([float(value), has_extras, float(tokens), wide], dtype=torch.float64).to(self.device)
+            dist.broadcast(packed, group=self.pp_group, group_src=self.last_rank)  # one broadcast
+            value = self.step_loss = packed[0].to(torch.float64 if packed[3] else torch.float32)
+            self.step_tokens = float(packed[2])
             if not packed[1]:
                 return value
             box = [_merge([{k: v for k, v in o.items() if k != "loss"} for o in outs]) if self.is_last else None]
@@ -377,8 +379,6 @@ class PipelineRunner:
                 continue
             p.grad = g if p.grad is None else p.grad + g
         self._stash = {}
-
-    # ------------------------------------------------------------------ timeline
 
     def bubble_fraction(self) -> float:
         """Idle share of this rank during the last step."""
