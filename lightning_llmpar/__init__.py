@@ -25,6 +25,7 @@ from lightning_llmpar.planner import plan
 from lightning_llmpar.precision import BF16Precision, FP8Precision, FP16Precision
 from lightning_llmpar.strategies.llm_parallel import LLMParallelStrategy
 from lightning_llmpar.strategies.registry import PRESETS, register_strategies
+from lightning_llmpar.training.clip import grad_norm
 from lightning_llmpar.verify import ParityReport, verify_parity
 
 __version__ = "0.1.0"
@@ -51,6 +52,7 @@ __all__ = [
     "ResumableDataLoader",
     "ThroughputAndMemory",
     "PipelineTimeline",
+    "grad_norm",
     "verify_parity",
     "ParityReport",
     "PRESETS",

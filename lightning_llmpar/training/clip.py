@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Collection, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-__all__ = ["total_grad_norm", "clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "grad_norm", "total_grad_norm"]
 
 
 def total_grad_norm(
@@ -73,3 +74,28 @@ def clip_grad_norm_(
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         grad.mul_(coef.to(grad.device, grad.dtype))
     return total
+
+
+def grad_norm(module: Any, norm_type: float | str = 2.0, group_separator: str = "/") -> dict[str, Tensor]:
+    """Lightning's ``grad_norm`` (``lightning.pytorch.utilities.grad_norm``: the same keys) with the values one
+    process logs, under every layout: each parameter's norm over its whole gradient (DTensor shards reduced, every
+    pipeline stage's parameters) and the total (a weight tied across stages counted once). Lightning's own fails on
+    DTensor gradients and, under pipeline parallelism, sees only the rank's stage. Call it on every rank, where
+    Lightning's is called (``on_before_optimizer_step``): it communicates."""
+    norm_type = float(norm_type)
+    runner = getattr(module.trainer.strategy, "pipeline_runner", None)
+    skip = runner.ties.duplicates() if runner is not None and runner.ties is not None else ()
+    norms: dict[str, float] = {}
+    for name, p in module.named_parameters():
+        if p.grad is not None and id(p) not in skip:
+            norm = torch.linalg.vector_norm(p.grad, norm_type)
+            norms[f"grad_{norm_type}_norm{group_separator}{name}"] = float(
+                norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if runner is not None:  # the other stages' parameters
+        stages: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(runner.pp_group))]
+        dist.all_gather_object(stages, norms, group=runner.pp_group)
+        norms = {k: v for stage in stages for k, v in stage.items()}
+    result = {k: torch.tensor(v) for k, v in norms.items()}
+    if result:  # as Lightning's: the norm of the parameters' norms
+        result[f"grad_{norm_type}_norm_total"] = torch.tensor(list(norms.values())).norm(norm_type)
+    return result
