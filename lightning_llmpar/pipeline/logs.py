@@ -49,7 +49,7 @@ def summarize_logs(calls: list[LoggedCall], microbatches: int, raw_losses: list[
         elif len(vals) == len(raw_losses) and raw_losses and all(is_the_loss(v, r) for v, r in zip(vals, raw_losses)):
             payload = ("loss", None)
         else:
-            nums = [float(v.detach().float().mean()) if isinstance(v, Tensor) else float(v) for v in vals[-microbatches:]]
+            nums = [float(v.detach().double().mean()) if isinstance(v, Tensor) else float(v) for v in vals[-microbatches:]]
             w = [float(x) for x in weights[-len(nums) :] if x is not None]
             if len(w) != len(nums) or sum(w) <= 0:  # no count for some microbatch (or none anywhere): equal weights
                 w = [1.0] * len(nums)
