@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from lightning_llmpar import LLMParallelStrategy
 from lightning_llmpar.checkpointing.dcp import is_checkpoint
 from lightning_llmpar.cli import main
 from tests.cli.test_quiet_run import assert_quiet
+from tests.distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
@@ -248,12 +248,10 @@ def test_cli_logs_the_loss_one_process_logs(tmp_path: Path, layout: tuple[str, s
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), f"step {step}: {b} logged at {layout[0]}, one process {a}"
 
 
-@pytest.mark.parametrize("stop", ["max_steps", "early_stopping", "preemption"])
-def test_final_checkpoint_holds_the_last_step_mid_epoch(stop: str) -> None:
-    # ModelCheckpoint saves `last` at the end only if it never saved: a 60-step run with saves every 50 reported
-    # step 50's. And a save at the end of training records the epoch as finished, so a run resumed from it started
-    # the next epoch's data. The command's default saves the last step where the run is known to stop; after a
-    # SIGTERM (noted during step 5, acted on before step 6, which is then the last) under LLMParallelStrategy too.
+def _last_step_saved(stop: str, folder: str) -> tuple[int, int]:
+    """(global_step, epoch) of the command's default checkpoint's `last` when a run stops by ``stop``; a process of
+    its own (launched by run_ranks): a run under LLMParallelStrategy leaves its process group and MASTER_PORT
+    behind, which a later `llmpar fit` would inherit and fail to bind."""
     from lightning.pytorch import Callback, Trainer
     from lightning.pytorch.callbacks import EarlyStopping
     from lightning.pytorch.demos.boring_classes import BoringModel
@@ -270,20 +268,28 @@ def test_final_checkpoint_holds_the_last_step_mid_epoch(stop: str) -> None:
             if trainer.global_step == 5:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    with tempfile.TemporaryDirectory() as folder:
-        checkpoint = _PeriodicCheckpoint(dirpath=folder, save_last=True, every_n_train_steps=4)
-        callbacks = [checkpoint, *{"early_stopping": [EarlyStopping("val", patience=0)], "preemption": [Preempt()]}
-                     .get(stop, [])]
-        strategy = {"strategy": LLMParallelStrategy(), "accelerator": "cpu", "devices": 1} if stop == "preemption" else {}
-        trainer = Trainer(max_steps=6 if stop == "max_steps" else 20, logger=False, callbacks=callbacks,
-                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
-                          val_check_interval=3, num_sanity_val_steps=0, **strategy)
-        with pytest.raises(SIGTERMException) if stop == "preemption" else contextlib.nullcontext():
-            trainer.fit(Model())  # 32 batches an epoch
-        assert Path(checkpoint.last_model_path).name == "last.ckpt"
-        last = Path(checkpoint.last_model_path)
-        saved = torch.load(last / "meta.pt" if last.is_dir() else last, weights_only=True)
-        assert (saved["global_step"], saved["epoch"]) == (6, 0), (saved["global_step"], saved["epoch"])
+    checkpoint = _PeriodicCheckpoint(dirpath=folder, save_last=True, every_n_train_steps=4)
+    callbacks = [checkpoint, *{"early_stopping": [EarlyStopping("val", patience=0)], "preemption": [Preempt()]}
+                 .get(stop, [])]
+    strategy = {"strategy": LLMParallelStrategy(), "accelerator": "cpu", "devices": 1} if stop == "preemption" else {}
+    trainer = Trainer(max_steps=6 if stop == "max_steps" else 20, logger=False, callbacks=callbacks,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
+                      val_check_interval=3, num_sanity_val_steps=0, **strategy)
+    with contextlib.suppress(SIGTERMException):
+        trainer.fit(Model())  # 32 batches an epoch
+    last = Path(checkpoint.last_model_path)
+    assert last.name == "last.ckpt", last
+    saved = torch.load(last / "meta.pt" if last.is_dir() else last, weights_only=True)
+    return saved["global_step"], saved["epoch"]
+
+
+@pytest.mark.parametrize("stop", ["max_steps", "early_stopping", "preemption"])
+def test_final_checkpoint_holds_the_last_step_mid_epoch(tmp_path: Path, stop: str) -> None:
+    # ModelCheckpoint saves `last` at the end only if it never saved: a 60-step run with saves every 50 reported
+    # step 50's. And a save at the end of training records the epoch as finished, so a run resumed from it started
+    # the next epoch's data. The command's default saves the last step where the run is known to stop; after a
+    # SIGTERM (noted during step 5, acted on before step 6, which is then the last) under LLMParallelStrategy too.
+    assert run_ranks(_last_step_saved, 1, stop, str(tmp_path), timeout=120)[0] == (6, 0)
 
 
 def test_cli_resumes_mid_epoch_on_the_batches_of_an_unstopped_run(tmp_path: Path) -> None:
