@@ -122,7 +122,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
 
     from lightning_llmpar.strategies.llm_parallel import LLMParallelStrategy
-    from lightning_llmpar.training.clip import total_grad_norm
+    from lightning_llmpar.training.clip import stages_of, total_grad_norm
 
     seed_everything(spec["seed"], verbose=False)
     module = _load(spec["model"])(**spec["model_kwargs"])
@@ -148,9 +148,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
 
         def on_before_optimizer_step(self, trainer: Trainer, pl_module: Any, optimizer: Any) -> None:
             strategy = trainer.strategy
-            runner = getattr(strategy, "pipeline_runner", None)
-            group = runner.pp_group if runner is not None else None
-            skip = runner.ties.duplicates() if runner is not None and runner.ties is not None else ()
+            group, skip = stages_of(strategy)
             params = [p for p in pl_module.parameters() if p.grad is not None]
             report["norms"].append(float(total_grad_norm(params, 2.0, group, skip, pl_module.device)))
             if len(report["norms"]) == 1:  # the first step (every rank takes part; rank 0 keeps the result)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-__all__ = ["clip_grad_norm_", "grad_norm", "total_grad_norm"]
+__all__ = ["clip_grad_norm_", "grad_norm", "stages_of", "total_grad_norm"]
 
 
 def total_grad_norm(
@@ -76,6 +76,15 @@ def clip_grad_norm_(
     return total
 
 
+def stages_of(strategy: Any) -> tuple[dist.ProcessGroup | None, Collection[int]]:
+    """The pipeline group a norm adds the other stages' parameters over, and the ids of tied copies it skips
+    (``total_grad_norm``'s ``stage_group`` and ``skip``); (None, ()) without pipeline parallelism."""
+    runner = getattr(strategy, "pipeline_runner", None)
+    if runner is None:
+        return None, ()
+    return runner.pp_group, runner.ties.duplicates() if runner.ties is not None else ()
+
+
 def grad_norm(module: Any, norm_type: float | str = 2.0, group_separator: str = "/") -> dict[str, Tensor]:
     """Lightning's ``grad_norm`` (``lightning.pytorch.utilities.grad_norm``: the same keys) with the values one
     process logs, under every layout: each parameter's norm over its whole gradient (DTensor shards reduced, every
@@ -83,17 +92,16 @@ def grad_norm(module: Any, norm_type: float | str = 2.0, group_separator: str = 
     DTensor gradients and, under pipeline parallelism, sees only the rank's stage. Call it on every rank, where
     Lightning's is called (``on_before_optimizer_step``): it communicates."""
     norm_type = float(norm_type)
-    runner = getattr(module.trainer.strategy, "pipeline_runner", None)
-    skip = runner.ties.duplicates() if runner is not None and runner.ties is not None else ()
+    stage_group, skip = stages_of(module.trainer.strategy)
     norms: dict[str, float] = {}
     for name, p in module.named_parameters():
         if p.grad is not None and id(p) not in skip:
             norm = torch.linalg.vector_norm(p.grad, norm_type)
             norms[f"grad_{norm_type}_norm{group_separator}{name}"] = float(
                 norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if runner is not None:  # the other stages' parameters
-        stages: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(runner.pp_group))]
-        dist.all_gather_object(stages, norms, group=runner.pp_group)
+    if stage_group is not None:  # the other stages' parameters
+        stages: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(stage_group))]
+        dist.all_gather_object(stages, norms, group=stage_group)
         norms = {k: v for stage in stages for k, v in stage.items()}
     result = {k: torch.tensor(v) for k, v in norms.items()}
     if result:  # as Lightning's: the norm of the parameters' norms
