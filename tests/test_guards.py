@@ -30,6 +30,7 @@ from tests.workloads import TokenData, fit, make_gpt
         ({"sequence_parallel": "False"}, r"`sequence_parallel` must be True or False, got 'False'"),
         ({"loss_normalization": "sum"}, r"`loss_normalization` must be 'mean', 'tokens' or a callable"),
         ({"sharding_backend": "deepspeed", "loss_normalization": "tokens"}, r"loss_normalization='tokens' .* DeepSpeed"),
+        ({"timeout": -3.0}, r"`timeout` must be a positive number of seconds or a datetime.timedelta, got -3.0"),
     ],
 )
 def test_options_that_would_be_ignored_are_refused(kwargs: dict[str, Any], match: str) -> None:

@@ -151,7 +151,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
         diloco_outer_momentum: float = 0.9,
         start_method: START_METHODS = "popen",
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -167,7 +167,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
         self.pipeline = options.pipeline
         self.hf_checkpoint, self.litgpt_checkpoint = options.hf_checkpoint, options.litgpt_checkpoint
         self._composed: Composed | None = None  # what compose built at set-up
-        self._start_method, self._process_group_backend, self._timeout = start_method, process_group_backend, timeout
+        self._start_method, self._process_group_backend, self._timeout = start_method, process_group_backend, options.timeout
         self._layout, self._device_mesh, self._dp_mesh = None, None, None
         self.num_nodes = 1
         self._replicas: ReplicaGroups | None = None  # fault_tolerance="torchft": this job is one replica group

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Literal, get_args
 
 from lightning_llmpar.checkpointing.hf_checkpoint import check_hf_directory
@@ -50,6 +51,7 @@ class StrategyOptions:
     checkpoint_weights_only: bool | None = None  # False: checkpoints are trusted (plain unpickling, DeepSpeed's)
     fault_tolerance: str | None = None
     diloco: DiLoCoConfig | None = None  # data_parallel_sync='diloco': replica groups sync every `every` steps
+    timeout: timedelta | None = None  # the process groups' timeout (None: torch's default)
 
 
 def positive_int(name: str, value: Any, allow_auto: bool = False) -> None:
@@ -219,6 +221,20 @@ def _check_backend(a: dict[str, Any]) -> tuple[dict[str, Any], CompressionConfig
     return deepspeed, None
 
 
+def process_group_timeout(value: Any) -> timedelta | None:
+    """``timeout`` as a ``timedelta``: a number is seconds (a YAML config or ``--trainer.strategy.timeout 600``)."""
+    if value is None:
+        return None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    timeout = timedelta(seconds=value) if number else value
+    if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+        raise ValueError(
+            f"LLMParallelStrategy: `timeout` must be a positive number of seconds or a datetime.timedelta, got"
+            f" {value!r}; for example timeout=600 or timeout=timedelta(minutes=10)."
+        )
+    return timeout
+
+
 def validate_options(a: dict[str, Any]) -> StrategyOptions:
     """Check the strategy's keyword arguments ``a`` (names as in ``LLMParallelStrategy.__init__``)."""
     _check_degrees(a)
@@ -260,5 +276,5 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
         expert_capacity_factor=a["expert_capacity_factor"], compile=a["compile"], start_method=a["start_method"],
         loss_parallel=a["loss_parallel"], async_checkpoint=a["async_checkpoint"],
         checkpoint_weights_only=a.get("checkpoint_weights_only"), fault_tolerance=check_fault_tolerance(a),
-        diloco=check_data_parallel_sync(a),
+        diloco=check_data_parallel_sync(a), timeout=process_group_timeout(a["timeout"]),
     )

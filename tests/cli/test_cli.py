@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -412,6 +413,15 @@ def test_strategy_given_as_a_bare_class_path() -> None:
     assert isinstance(main(args, run=False).trainer.strategy, LLMParallelStrategy)
     with pytest.raises(ValueError, match="lightning_llmpar.NoSuchStrategy: neither a registered strategy name"):
         main([*args[:3], "lightning_llmpar.NoSuchStrategy", *args[4:]], run=False)
+
+
+@pytest.mark.usefixtures("in_process")
+@pytest.mark.parametrize("given", ["90", "0:01:30"])
+def test_process_group_timeout_given_in_seconds_or_as_a_duration(given: str) -> None:
+    # A number of seconds was refused by the command line, which only took a timedelta's "H:MM:SS".
+    args = ["--config", str(ROOT / "examples/configs/3d.yaml"), "--trainer.strategy.timeout", given,
+            "--trainer.logger", "false"]
+    assert main(args, run=False).trainer.strategy._timeout == timedelta(seconds=90)
 
 
 def test_llmpar_fit_stopped_by_a_sigterm_exits_with_its_status(monkeypatch: pytest.MonkeyPatch) -> None:
