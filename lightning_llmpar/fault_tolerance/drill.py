@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import LightningDataModule, Trainer, seed_everything
 from torch.utils.data import DataLoader, Dataset
 
@@ -63,14 +64,15 @@ class DrillData(LightningDataModule):
 
 
 class DrillModule(GPTModule):
-    def __init__(self, out: Path, kill_at: int, preempt: tuple[float, ...] = ()) -> None:
+    def __init__(self, out: Path, kill_at: int, preempt: tuple[float, ...] = (),
+                 signum: int = int(signal.SIGTERM)) -> None:
         super().__init__(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, n_kv_head=2, n_embd=32,
                          learning_rate=1e-2, warmup_steps=2, total_steps=40)
         self.out, self.kill_at = out, kill_at
         # (step, delay of rank 0's SIGTERM, of rank 1's...): a preemption notice reaching the ranks at moments
         # apart, on a timer, so it lands wherever that rank is (a delay < 0: that rank gets none; a step < 0: at
         # the module's on_train_start, after the callbacks' and before the first step).
-        self.preempt = preempt
+        self.preempt, self.signum = preempt, signum
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, ids = (batch["input_ids"], batch["targets"], batch["ids"]) if isinstance(batch, dict) else batch
@@ -92,7 +94,7 @@ class DrillModule(GPTModule):
     def _preempt(self) -> None:
         rank = self.trainer.global_rank
         if self.preempt[1 + rank] >= 0 and _first_time(self.out / f"preempted{rank}"):
-            threading.Timer(self.preempt[1 + rank], os.kill, (os.getpid(), signal.SIGTERM)).start()
+            threading.Timer(self.preempt[1 + rank], os.kill, (os.getpid(), self.signum)).start()
 
 
 def _first_time(marker: Path) -> bool:
@@ -117,26 +119,30 @@ def _kill_while_saving(out: Path) -> None:
 
 def train(out: Path, steps: int = 12, kill_at: int = -1, kill_in_save: bool = False,
           strategy: dict[str, Any] | None = None, timeout_s: float = 1800, save_every: int = 3,
-          dict_batches: bool = False, preempt: tuple[float, ...] = ()) -> int:
+          dict_batches: bool = False, preempt: tuple[float, ...] = (), requeue: bool = False) -> int:
     """Train to ``steps`` from the newest intact checkpoint in ``out/ckpt`` (if any); returns the final step.
     ``dict_batches``: dict batches, Lightning's own distributed-sampler setting and a throughput callback;
-    ``preempt``: a SIGTERM to each rank at a step (see DrillModule)."""
+    ``preempt``: a SIGTERM to each rank at a step (see DrillModule); ``requeue``: under SLURM (or its variables),
+    with ``SLURMEnvironment(auto_requeue=True)``: ``preempt`` sends SLURM's requeue signal instead, and the run
+    resumes as Lightning does after a requeue, from the newest ``hpc_ckpt_N.ckpt`` in ``out`` if there is one."""
     from datetime import timedelta
 
     torch.set_num_threads(1)
     if kill_in_save:
         _kill_while_saving(out)
     seed_everything(0, verbose=False)
-    module = DrillModule(out, kill_at, preempt)
+    slurm = SLURMEnvironment(auto_requeue=True) if requeue else None
+    # The signal as a plain int: the module's hyperparameters go into its checkpoints, read by torch's safe loader.
+    module = DrillModule(out, kill_at, preempt, int(slurm.requeue_signal if slurm else signal.SIGTERM))
     trainer = Trainer(
         accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
         strategy=LLMParallelStrategy(**(strategy or {"zero_stage": 3}), timeout=timedelta(seconds=timeout_s)),
         max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, use_distributed_sampler=dict_batches,
+        limit_val_batches=0, use_distributed_sampler=dict_batches, default_root_dir=out, plugins=slurm and [slurm],
         callbacks=[FaultTolerantCheckpoint(str(out / "ckpt"), every_n_train_steps=save_every, keep_last=2), StepGuard(),
                    *([ThroughputAndMemory(log_every_n_steps=2)] if dict_batches else [])],
     )
-    trainer.fit(module, datamodule=DrillData(dict_batches), ckpt_path="last")
+    trainer.fit(module, datamodule=DrillData(dict_batches), ckpt_path=None if requeue else "last")
     weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in module.named_parameters()}
     if trainer.global_rank == 0:
         torch.save(weights, out / "final.pt")
