@@ -131,6 +131,7 @@ class TitanLM(LightningModule):
         logits = self.model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
         self.log("train_loss", loss)
+        self.log("train_z", torch.logsumexp(logits.detach(), -1).pow(2).mean())  # a value besides the loss (z-loss)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
