@@ -462,6 +462,8 @@ def test_compile_float8_and_async_tp_move_the_prediction_the_published_way(tmp_p
     tp = plan(spec, cluster_from("h100-hbm2e", nodes=2), global_batch=16, seq=8192, zero_stages=(3,),
               checkpointing=("full",), max_micro_batch=2, compile=True, float8="tensorwise", async_tp=True)
     assert all(r.candidate.async_tp == (r.candidate.tp > 1) for r in tp.layouts)
+    rowwise_plan = plan(spec, cluster_from("h100-hbm2e", nodes=2), global_batch=16, seq=8192, float8="rowwise")
+    assert rowwise_plan.layouts and all(r.candidate.tp == 1 for r in rowwise_plan.layouts)  # the strategy refuses tp > 1
     with pytest.raises(ValueError, match="float8='fp4'"):
         plan(spec, cluster, global_batch=16, seq=8192, float8="fp4")
     with pytest.raises(ValueError, match="precision='bf16-mixed'"):

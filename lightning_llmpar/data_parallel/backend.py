@@ -79,6 +79,17 @@ class ShardingBackend:
 
     def check_layout(self, layout: ParallelLayout) -> None:
         """Refuse a layout this backend cannot run (called once the world size is known, before any process)."""
+        plugin = self.strategy.precision_plugin
+        if layout.tp > 1 and getattr(plugin, "recipe", None) == "rowwise":
+            # Rowwise scales are maxima along the matmul's inner dimension, which tensor parallelism splits (a
+            # row-split layer's input, a column-split layer's output gradient): torchao takes each rank's own
+            # maximum, so the FP8 values differ from one process's (3.9e-5 in the first loss at tp2).
+            raise ValueError(
+                f"FP8Precision(recipe='rowwise') with tensor_parallel={layout.tp}: rowwise scales would be taken over"
+                " each rank's part of the split dimension, not the whole, and the run would differ from one"
+                " process's. Use FP8Precision(recipe='tensorwise') (its scales are reduced over the ranks), or"
+                " tensor_parallel=1 (data and pipeline parallelism keep rowwise exact)."
+            )
         compression = self.options.deepspeed["gradient_compression"]
         if compression is not None and layout.dp == 1:
             raise ValueError(

@@ -168,7 +168,8 @@ def plan(
     """Predict every layout of ``model`` on ``cluster`` and rank them (see ``candidates`` for ``search``).
 
     ``compile``: blocks compiled with torch.compile; ``float8``: the blocks' linears in torchao float8
-    ('tensorwise', with FP8 all-gather under FSDP, or 'rowwise'; ``precision='fp8'`` means 'tensorwise');
+    ('tensorwise', with FP8 all-gather under FSDP, or 'rowwise', without tensor parallelism; ``precision='fp8'`` means
+    'tensorwise');
     ``async_tp``: tensor-parallel collectives overlapped with their matmuls. A layout fits when its predicted
     peak leaves ``headroom`` of the device's memory free (the runtime's own buffers)."""
     if precision not in PRECISIONS:
@@ -195,6 +196,8 @@ def plan(
     budget = cluster.memory_gb * 1e9 * (1 - headroom)
     rows = []
     for c in candidates(spec, cluster, global_batch, seq, **search):
+        if float8 == "rowwise" and c.tp > 1:  # the strategy refuses it: rowwise scales over a split dimension
+            continue
         c = replace(c, compile=compile, float8=float8, async_tp=async_tp and c.tp > 1)  # type: ignore[arg-type]
         memory = predict_memory(spec, c, seq, p, cluster.caching_allocator)
         rows.append(PlannedLayout(c, memory, predict_step_time(spec, c, seq, cluster, p), memory.peak <= budget))

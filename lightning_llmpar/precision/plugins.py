@@ -176,7 +176,8 @@ class FP8Precision(_MeshPrecision, Precision):
         recipe: 'tensorwise' (one scale per tensor; allows float8 all-gather with FSDP2) or 'rowwise'.
         base: precision of everything that is not an FP8 matmul: 'bf16-mixed' (autocast) or '32-true'.
         float8_all_gather: tensorwise only: FSDP2 gathers FP8 weights (half the bytes of bf16); the
-            scales are then precomputed in one all-reduce after each optimizer step.
+            scales are then precomputed in one all-reduce after each optimizer step. Default: on for
+            'tensorwise', off for 'rowwise'.
         keep_first_last: keep the first and last block of the stack, and every linear outside it (the
             LM head), in ``base`` precision: the layers most sensitive to FP8 rounding.
         skip: further module-name substrings to keep in ``base`` precision.
@@ -188,7 +189,7 @@ class FP8Precision(_MeshPrecision, Precision):
         self,
         recipe: Recipe = "tensorwise",
         base: Literal["bf16-mixed", "32-true"] = "bf16-mixed",
-        float8_all_gather: bool = True,
+        float8_all_gather: bool | None = None,
         keep_first_last: bool = True,
         skip: list[str] | None = None,
     ) -> None:
@@ -196,6 +197,8 @@ class FP8Precision(_MeshPrecision, Precision):
             raise ValueError(f"FP8Precision(recipe={recipe!r}): recipe must be one of {get_args(Recipe)}.")
         if base not in ("bf16-mixed", "32-true"):
             raise ValueError(f"FP8Precision(base={base!r}): base must be 'bf16-mixed' or '32-true'.")
+        if float8_all_gather is None:
+            float8_all_gather = recipe == "tensorwise"
         if float8_all_gather and recipe != "tensorwise":
             raise ValueError(
                 f"FP8Precision: float8_all_gather=True needs recipe='tensorwise' (got {recipe!r}); set"
