@@ -52,13 +52,18 @@ def check_hf_directory(directory: str | Path) -> Path:
     return path
 
 
-def _single_model(module: nn.Module) -> tuple[str, nn.Module]:
+def _single_model(module: nn.Module, exporting: bool = False) -> tuple[str, nn.Module]:
     found = pretrained_models(module)
     if len(found) != 1:
-        raise ValueError(
-            f"hf_checkpoint loads into the one transformers PreTrainedModel inside {type(module).__name__}; found"
-            f" {len(found)} ({[n or type(m).__name__ for n, m in found]})."
+        what = (
+            "save_hf_checkpoint exports the one transformers PreTrainedModel inside"
+            if exporting else "hf_checkpoint loads into the one transformers PreTrainedModel inside"
         )
+        fix = (
+            " Other models (LitGPT's, your own): save with trainer.save_checkpoint and write one file with"
+            " lightning_llmpar.export_consolidated." if exporting and not found else ""
+        )
+        raise ValueError(f"{what} {type(module).__name__}; found {len(found)} ({[n or type(m).__name__ for n, m in found]}).{fix}")
     return found[0]
 
 
@@ -310,7 +315,7 @@ def save_hf_checkpoint(trainer: Any, directory: str | Path, dtype: torch.dtype |
     path = Path(directory).expanduser()
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    prefix, model = _single_model(module)
+    prefix, model = _single_model(module, exporting=True)
     state = hf_state_dict(module, getattr(strategy, "packings", {}), getattr(strategy, "tied_aliases", {}), dtype)
     try:  # each rank its own pipeline stage's adapters; a refusal raised on every rank alike
         state, problems = fold_adapters(model, state), []

@@ -128,6 +128,19 @@ def test_missing_directory_and_other_model_are_refused(pretrained: dict[str, Any
     assert "ValueError" in error and "config.json has model_type='gpt2' but the model has 'llama'" in error, error
 
 
+def test_exporting_a_model_that_is_not_transformers_names_the_export_that_fits(tmp_path: Path) -> None:
+    # A LitGPT model's export was refused as if it were a load ("hf_checkpoint loads into ..."), naming no way out.
+    from types import SimpleNamespace
+
+    from lightning_llmpar import save_hf_checkpoint
+    from lightning_llmpar.models import GPTModule
+
+    trainer = SimpleNamespace(strategy=None, lightning_module=GPTModule(vocab_size=64, block_size=16, n_layer=2, n_embd=32))
+    with pytest.raises(ValueError, match=r"save_hf_checkpoint exports .* found 0 .* lightning_llmpar.export_consolidated"):
+        save_hf_checkpoint(trainer, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_untied_checkpoint_into_a_tied_model_is_refused(pretrained: dict[str, Any], tmp_path: Path) -> None:
     # Both tensors were read into the one tied parameter, the second overwriting the first, without a word.
     def untie(tensors: dict[str, torch.Tensor]) -> None:
