@@ -8,7 +8,8 @@
 3. Token counting and context parallelism: they change what a step computes, not the weights.
 4. The pipeline split: each rank keeps only its stages, so nothing else is built for layers it drops.
 5. ``parallelize``: tensor parallelism -> experts -> activation checkpointing -> compile -> FSDP2 / DDP.
-6. Gradient compression on the data-parallel units FSDP2 made.
+6. Gradient compression on the data-parallel units FSDP2 made; torchmetrics metrics sync over the ranks of
+   different data, not tensor-parallel copies (``training.sync_groups``).
 7. Memory for this rank's shards (meta-device init), pretrained weights read per rank, tied copies made equal.
 
 The sharding backend then wraps what ``compose`` returned (see ``data_parallel.backend``); the strategy only
@@ -41,6 +42,7 @@ from lightning_llmpar.pipeline.setup import build_pipeline
 from lightning_llmpar.strategies.options import StrategyOptions
 from lightning_llmpar.training.documents import apply_document_masking
 from lightning_llmpar.training.loss_normalization import PaddedMeanWarning, TokenNormalizer
+from lightning_llmpar.training.sync_groups import apply_metric_groups
 
 __all__ = ["Composed", "SetupContext", "compose", "composed_before", "parallel_config"]
 
@@ -148,6 +150,7 @@ def compose(module: nn.Module, ctx: SetupContext) -> Composed:
         done.compression = apply_gradient_compression(
             done.parallelized.dp_roots, mesh, layout, done.config.gradient_compression
         )
+    apply_metric_groups(module, layout, mesh)
     setattr(module, _DONE, done)
     # Weights built on the meta device get memory now, for this rank's shards only (ties as they stand after
     # sharding: to_empty gives every name its own memory).

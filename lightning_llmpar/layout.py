@@ -162,7 +162,8 @@ class ParallelLayout:
 
     def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
         """The one mesh every technique slices, and its data-parallel axes flattened into one ('dp'; the batch
-        sampler's ranks). ``dp_shard`` and ``cp`` are flattened too ('dp_shard_cp'), the axis FSDP shards over."""
+        sampler's ranks). ``dp_shard`` and ``cp`` are flattened too ('dp_shard_cp'), the axis FSDP shards over, and
+        under tensor or pipeline parallelism the axes of different data ('dp_cp', 'pp_dp_cp': training.sync_groups)."""
         shape = tuple(self.degrees[axis] for axis in MESH_AXES)
 
         def build() -> tuple[DeviceMesh, DeviceMesh]:
@@ -173,6 +174,10 @@ class ParallelLayout:
                 # parallelism's): with the two flattened, DTensor reduces it in one all-reduce instead of two.
                 shard = "dp_shard_cp" if self.cp > 1 else "dp_shard"
                 mesh[shard, "tp"]._flatten(f"{shard}_tp")
+            if self.tp > 1 or self.pp > 1:  # the ranks holding different data, for logged values and metrics
+                mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+                if self.tp > 1 and self.pp > 1:
+                    mesh["pp", "dp_replicate", "dp_shard", "cp"]._flatten("pp_dp_cp")
             return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
         return reuse_groups(("mesh", device_type, shape), build)

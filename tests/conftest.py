@@ -52,6 +52,7 @@ FULL: list[tuple[str, str]] = [
     ("tests/checkpointing/test_hf.py::test_legacy_moe_files_are_read_per_expert",
      "Mixtral's files as transformers writes them"),
     # Layouts covered fast by a sibling or another file; each case is one launch of its own.
+    ("tests/test_logged_reductions.py::*[[]dp2-tp2]", "data parallelism beside TP (tp2 and tp2 x pp2 are fast)"),
     ("tests/test_parity.py::test_gpt_layouts_match_single_process[[]tp2-nosp]", "sequence parallelism off"),
     ("tests/test_parity.py::test_gpt_layouts_match_single_process[[]dp2-zero3-offload]",
      "CPU offload (DeepSpeed's is fast)"),

@@ -4,7 +4,9 @@ Only the last stage runs the step to the end, once per microbatch. Each name's v
 ``Metric`` stays itself (it accumulated every microbatch), the step's own loss stays "the loss" (the runner logs the
 step's loss, which the strategy then logs as the global batch's), and any other value is the mean over the
 microbatches: weighed by each microbatch's valid targets under ``loss_normalization='tokens'`` (so a per-token mean,
-such as a validation loss over padded or packed rows, is the batch's, as one process logs it), else equally.
+such as a validation loss over padded or packed rows, is the batch's, as one process logs it), else equally. A
+value logged with ``reduce_fx="sum"``, ``"max"`` or ``"min"`` (a count, a largest loss) is combined so instead: the
+batch's sum is the microbatches' sum, its max their max.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+import torch
 from torch import Tensor
 from torchmetrics import Metric
 
@@ -50,9 +53,25 @@ def summarize_logs(calls: list[LoggedCall], microbatches: int, raw_losses: list[
             payload = ("loss", None)
         else:
             nums = [float(v.detach().double().mean()) if isinstance(v, Tensor) else float(v) for v in vals[-microbatches:]]
-            w = [float(x) for x in weights[-len(nums) :] if x is not None]
-            if len(w) != len(nums) or sum(w) <= 0:  # no count for some microbatch (or none anywhere): equal weights
-                w = [1.0] * len(nums)
-            payload = ("value", sum(n * x for n, x in zip(nums, w)) / sum(w))
+            payload = ("value", _combine(nums, weights, _reduce_fx(call)))
         summary.append((name, payload, call.args, call.kwargs))
     return summary
+
+
+def _reduce_fx(call: LoggedCall) -> str:
+    """The call's ``reduce_fx`` by name: 'sum', 'max', 'min', or 'mean' (Lightning's default, and anything else)."""
+    # log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, ...): the fifth argument after the value
+    fx = call.kwargs.get("reduce_fx", call.args[4] if len(call.args) > 4 else "mean")
+    names = {torch.sum: "sum", torch.max: "max", torch.min: "min", sum: "sum", max: "max", min: "min"}
+    return fx if isinstance(fx, str) and fx in ("sum", "max", "min") else names.get(fx, "mean")
+
+
+def _combine(nums: list[float], weights: list[Any], reduce_fx: str) -> float:
+    if reduce_fx == "sum":
+        return sum(nums)
+    if reduce_fx in ("max", "min"):
+        return max(nums) if reduce_fx == "max" else min(nums)
+    w = [float(x) for x in weights[-len(nums) :] if x is not None]
+    if len(w) != len(nums) or sum(w) <= 0:  # no count for some microbatch (or none anywhere): equal weights
+        w = [1.0] * len(nums)
+    return sum(n * x for n, x in zip(nums, w)) / sum(w)

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_llmpar.layout import ParallelLayout
+from lightning_llmpar.training.sync_groups import log_group
 
 __all__ = ["MeshStrategy"]
 
@@ -40,6 +41,7 @@ class MeshStrategy(ParallelStrategy):
     _layout: ParallelLayout | None
     _device_mesh: DeviceMesh | None
     _dp_mesh: DeviceMesh | None
+    _log_group: Any = None  # what `self.log(sync_dist=True)` reduces over (None: every process)
 
     def _build_layout(self, world_size: int) -> ParallelLayout:
         raise NotImplementedError
@@ -96,6 +98,7 @@ class MeshStrategy(ParallelStrategy):
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
         self._device_mesh, self._dp_mesh = self.layout.build_mesh(self.root_device.type)
+        self._log_group = log_group(self.layout, self._device_mesh)
         assert self.lightning_module is not None
         # Lets `LightningModule.configure_model()` and `self.device_mesh` see the mesh, as in Lightning.
         self.lightning_module._device_mesh = self._device_mesh
@@ -125,9 +128,17 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        # `self.log(sync_dist=True)`: over the ranks that hold different data, not tensor- or pipeline-parallel
+        # copies of one batch (training.sync_groups).
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return _sync_ddp_if_available(tensor, group if group is not None else self._log_group, reduce_op=reduce_op)
         return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        # Every process votes (Lightning's counts the votes against the world size).
+        votes = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), reduce_op=ReduceOp.SUM)
+        return bool(votes == self.world_size) if all else bool(votes)
 
     @override
     def teardown(self) -> None:

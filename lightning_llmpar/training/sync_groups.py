@@ -1,0 +1,46 @@
+"""The ranks a logged value or a torchmetrics metric is reduced over: those that hold different data.
+
+Lightning reduces ``self.log(..., sync_dist=True)`` over every process, and a torchmetrics ``Metric`` syncs its
+states over every process unless given a ``process_group``. Tensor-parallel ranks run the same step on the same
+batch, and under pipeline parallelism every stage logs the last stage's values again (``pipeline.logs``): a sum
+over all processes counts each sample tp x pp times (a sample count logged with ``reduce_fx="sum"`` at tp2: 24
+where one process logs 12; a ``SumMetric`` likewise). Means and maxima hid it.
+
+- Logged values reduce over the data-parallel and context-parallel ranks ('dp_cp'), one copy of each batch.
+- Metrics reduce over every rank but the tensor-parallel copies: under pipeline parallelism their states are
+  updated on the last stage and zero on the others, so the stages' sum is the last stage's.
+A group given explicitly (``sync_dist_group=``, a metric's ``process_group``) is left as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torchmetrics import Metric
+
+from lightning_llmpar.layout import ParallelLayout
+
+__all__ = ["apply_metric_groups", "log_group"]
+
+
+def log_group(layout: ParallelLayout, mesh: DeviceMesh) -> Any | None:
+    """The group ``sync_dist`` reduces over (None: every process, where no rank holds a copy of another's data)."""
+    return mesh["dp_cp"].get_group() if layout.tp > 1 or layout.pp > 1 else None
+
+
+def metric_group(layout: ParallelLayout, mesh: DeviceMesh) -> Any | None:
+    if layout.tp == 1:
+        return None
+    return mesh["pp_dp_cp" if layout.pp > 1 else "dp_cp"].get_group()
+
+
+def apply_metric_groups(module: nn.Module, layout: ParallelLayout, mesh: DeviceMesh) -> None:
+    """Give every torchmetrics ``Metric`` in ``module`` without a ``process_group`` of its own the metrics' group."""
+    group = metric_group(layout, mesh)
+    if group is None:
+        return
+    for metric in module.modules():
+        if isinstance(metric, Metric) and metric.process_group is None:
+            metric.process_group = group
