@@ -1,4 +1,4 @@
-"""What the pipeline's last stage logged over a step's microbatches, as one value per name for every rank.
+"""What the pipeline's last stage logged and returned over a step's microbatches, as one batch's, for every rank.
 
 Only the last stage runs the step to the end, once per microbatch. Each name's values become one: a torchmetrics
 ``Metric`` stays itself (it accumulated every microbatch), the step's own loss stays "the loss" (the runner logs the
@@ -11,6 +11,7 @@ batch's sum is the microbatches' sum, its max their max.
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -20,7 +21,7 @@ from torchmetrics import Metric
 
 from lightning_llmpar.training.logged_loss import LoggedCall, is_the_loss
 
-__all__ = ["eval_tokens", "summarize_logs"]
+__all__ = ["eval_tokens", "merge_outputs", "summarize_logs"]
 
 Summary = list[tuple[str, tuple[str, Any], tuple, dict[str, Any]]]
 
@@ -75,3 +76,36 @@ def _combine(nums: list[float], weights: list[Any], reduce_fx: str) -> float:
     if len(w) != len(nums) or sum(w) <= 0:  # no count for some microbatch (or none anywhere): equal weights
         w = [1.0] * len(nums)
     return sum(n * x for n, x in zip(nums, w)) / sum(w)
+
+
+def merge_outputs(outs: list[Any]) -> Any:
+    """What a step returned for each microbatch, as one batch's: tensors with a batch dimension concatenated,
+    tuples, lists and dicts entry by entry, numbers (and 0-dim tensors) averaged, with a warning: a number for
+    the whole batch may be a mean, which averaging keeps, or a sum or count, which it does not."""
+    if not outs or all(o is None for o in outs):
+        return None
+    first = outs[0]
+    if all(isinstance(o, Tensor) for o in outs):
+        outs = [o.detach() for o in outs]
+        if first.dim() > 0:
+            return torch.cat(outs)
+        _warn_averaged()
+        return torch.stack(outs).double().mean().to(first.dtype if first.is_floating_point() else torch.float32)
+    if all(isinstance(o, dict) for o in outs):
+        return {k: merge_outputs([o[k] for o in outs]) for k in first}
+    if isinstance(first, (tuple, list)) and all(type(o) is type(first) and len(o) == len(first) for o in outs):
+        items = [merge_outputs([o[i] for o in outs]) for i in range(len(first))]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)  # a named tuple by fields
+    if all(isinstance(o, (int, float)) and not isinstance(o, bool) for o in outs):
+        _warn_averaged()
+        return sum(outs) / len(outs)
+    return outs
+
+
+def _warn_averaged() -> None:
+    warnings.warn(  # by the last stage, where the outputs are (rank zero may hold the first)
+        "A step under pipeline parallelism returned a number for its batch (a Python number or a 0-dim tensor): the"
+        " step runs once per microbatch, and these numbers are averaged, which is right for a mean and not for a sum"
+        " or a count. Return a tensor with one entry per sample to get one process's values.",
+        stacklevel=2,
+    )

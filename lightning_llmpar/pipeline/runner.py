@@ -25,7 +25,7 @@ from torch.distributed.pipelining import PipelineStage
 from torchmetrics import Metric
 
 from lightning_llmpar.modeling.ties import TiedCopies
-from lightning_llmpar.pipeline.logs import eval_tokens, summarize_logs
+from lightning_llmpar.pipeline.logs import eval_tokens, merge_outputs, summarize_logs
 from lightning_llmpar.pipeline.split import BATCH_KWARG, StageModule, stage_program
 from lightning_llmpar.pipeline.stages import StageLayout, bubble_fraction, build_schedule
 from lightning_llmpar.training.batches import batch_size
@@ -325,10 +325,10 @@ class PipelineRunner:
             self.step_tokens = float(packed[2])
             if not packed[1]:
                 return value
-            box = [_merge([{k: v for k, v in o.items() if k != "loss"} for o in outs]) if self.is_last else None]
+            box = [merge_outputs([{k: v for k, v in o.items() if k != "loss"} for o in outs]) if self.is_last else None]
             dist.broadcast_object_list(box, group=self.pp_group, group_src=self.last_rank)
             return {"loss": value, **box[0]}
-        box = [_merge(outs) if self.is_last else None]
+        box = [merge_outputs(outs) if self.is_last else None]
         dist.broadcast_object_list(box, group=self.pp_group, group_src=self.last_rank)
         return box[0]
 
@@ -383,17 +383,3 @@ class PipelineRunner:
     def bubble_fraction(self) -> float:
         """Idle share of this rank during the last step."""
         return bubble_fraction(self.timeline, self.step_window)
-
-
-def _merge(outs: list[Any]) -> Any:
-    """Per-microbatch outputs as one batch's: tensors concatenated (scalars averaged), dicts per key."""
-    if not outs or all(o is None for o in outs):
-        return None
-    if all(isinstance(o, Tensor) for o in outs):
-        outs = [o.detach() for o in outs]
-        return torch.stack(outs).float().mean() if outs[0].dim() == 0 else torch.cat(outs)
-    if all(isinstance(o, dict) for o in outs):
-        return {k: _merge([o[k] for o in outs]) for k in outs[0]}
-    if all(isinstance(o, (int, float)) for o in outs):
-        return sum(outs) / len(outs)
-    return outs

@@ -25,15 +25,24 @@ from lightning_llmpar.layout import ParallelLayout
 __all__ = ["apply_metric_groups", "log_group"]
 
 
+_DATA = ("dp_replicate", "dp_shard", "cp")  # flattened as 'dp_cp' (and with 'pp' as 'pp_dp_cp') by the layout
+
+
+def _flattened(mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> Any:
+    # The flattened mesh ParallelLayout.build_mesh made: flattening again under its name returns it.
+    return mesh[axes]._flatten(name).get_group()
+
+
 def log_group(layout: ParallelLayout, mesh: DeviceMesh) -> Any | None:
     """The group ``sync_dist`` reduces over (None: every process, where no rank holds a copy of another's data)."""
-    return mesh["dp_cp"].get_group() if layout.tp > 1 or layout.pp > 1 else None
+    return _flattened(mesh, _DATA, "dp_cp") if layout.tp > 1 or layout.pp > 1 else None
 
 
 def metric_group(layout: ParallelLayout, mesh: DeviceMesh) -> Any | None:
+    """The group metrics sync over (None: every process, where no rank is a tensor-parallel copy)."""
     if layout.tp == 1:
         return None
-    return mesh["pp_dp_cp" if layout.pp > 1 else "dp_cp"].get_group()
+    return _flattened(mesh, ("pp", *_DATA), "pp_dp_cp") if layout.pp > 1 else _flattened(mesh, _DATA, "dp_cp")
 
 
 def apply_metric_groups(module: nn.Module, layout: ParallelLayout, mesh: DeviceMesh) -> None:
