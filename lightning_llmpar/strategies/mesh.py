@@ -19,10 +19,11 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
 from lightning_llmpar.layout import ParallelLayout
@@ -133,6 +134,20 @@ class MeshStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group if group is not None else self._log_group, reduce_op=reduce_op)
         return tensor
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        sampler = getattr(dataloader, "sampler", None)
+        if isinstance(sampler, DistributedSampler) and not sampler.shuffle:  # Lightning's for evaluation
+            samples = len(sampler.dataset)  # type: ignore[arg-type]
+            if sampler.total_size > samples:
+                rank_zero_warn(
+                    f"The evaluation data's {samples} samples do not divide over {sampler.num_replicas} data-parallel"
+                    f" ranks: Lightning's DistributedSampler repeats {sampler.total_size - samples} of them to even the"
+                    " ranks out, so what validation and test log (and a checkpoint's monitored value) counts them"
+                    f" twice and differs from one process's. Use a multiple of {sampler.num_replicas} samples."
+                )
+        return dataloader
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
