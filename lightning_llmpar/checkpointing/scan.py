@@ -37,7 +37,9 @@ def checkpoint_problem(path: Path, kind: str | None = None) -> str | None:
     if not path.exists():
         return "it does not exist"
     if not path.is_dir():
-        return "not a folder"
+        return ("it is a file, not a checkpoint folder this strategy wrote. A one-file checkpoint (Lightning's own"
+                " .ckpt) cannot resume a parallel run: load its weights into the module before fit"
+                " (LightningModule.load_from_checkpoint, or load_state_dict of its 'state_dict') and fit without ckpt_path")
     manifest = read_manifest(path)
     written = manifest.get("kind") if manifest is not None else ("deepspeed" if (path / "ckpt").is_dir() else "dcp")
     if kind is not None and written != kind:

@@ -169,3 +169,12 @@ def test_kill_at_every_file_operation_of_a_save_leaves_a_resumable_checkpoint(tm
     assert found[0]["meta"] == 1 and {r["meta"] for r in found} == {1, 2}, found
     # Whatever a crash left, the next save to that name succeeds and is what resume finds.
     assert all(r["meta"] == 2 for r in run_ranks(resume_each, 1, folders, True)[0])
+
+
+def test_a_one_file_checkpoint_is_refused_with_the_way_to_its_weights(tmp_path: Path) -> None:
+    # A Lightning .ckpt file given as ckpt_path was refused as "not a folder", naming no way to use its weights.
+    file = tmp_path / "epoch=0-step=10.ckpt"
+    file.write_bytes(b"not read")
+    problem = checkpoint_problem(file)
+    assert problem is not None and "one-file checkpoint" in problem and "load_from_checkpoint" in problem, problem
+    assert file.read_bytes() == b"not read"
