@@ -52,7 +52,12 @@ FULL: list[tuple[str, str]] = [
     ("tests/checkpointing/test_hf.py::test_legacy_moe_files_are_read_per_expert",
      "Mixtral's files as transformers writes them"),
     # Layouts covered fast by a sibling or another file; each case is one launch of its own.
-    ("tests/test_logged_reductions.py::*[[]dp2-tp2]", "data parallelism beside TP (tp2 and tp2 x pp2 are fast)"),
+    ("tests/test_logged_reductions.py::*[[]dp2-tp2]", "data parallelism beside TP (pp2 and tp2 x pp2 are fast)"),
+    ("tests/test_logged_reductions.py::*[[]tp2]", "tp2 x pp2 is fast (the same groups, and the pipeline's)"),
+    ("tests/test_real_setups.py::test_lightning_precision_strings_become_mesh_aware[[]bf16-mixed-*]",
+     "bf16-true (the same plugin) and 16-mixed are fast"),
+    ("tests/test_architecture.py::test_every_module_imports_first_in_a_fresh_interpreter",
+     "every module first in a fresh interpreter (~30 s; the layering test beside it is fast)"),
     ("tests/test_parity.py::test_gpt_layouts_match_single_process[[]tp2-nosp]", "sequence parallelism off"),
     ("tests/test_parity.py::test_gpt_layouts_match_single_process[[]dp2-zero3-offload]",
      "CPU offload (DeepSpeed's is fast)"),
