@@ -13,6 +13,7 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
+from lightning_llmpar.callbacks.summary import count_whole_model
 from lightning_llmpar.modeling.structure import find_block_stack
 from lightning_llmpar.precision.plugins import compute_dtype
 from lightning_llmpar.training.batches import batch_tokens, first_tensor
@@ -20,22 +21,19 @@ from lightning_llmpar.training.batches import batch_tokens, first_tensor
 __all__ = ["ThroughputAndMemory", "model_flops_per_token", "peak_flops_per_device"]
 
 
-def model_flops_per_token(module: nn.Module, seq_len: int, pp_group: Any = None) -> float:
+def model_flops_per_token(module: nn.Module, seq_len: int, strategy: Any = None) -> float:
     """Training FLOPs per token of a decoder LM: 6 x (parameters outside input embeddings) for the
     matmuls forward and backward, plus 12 x layers x width x sequence for attention scores and values.
 
     Counts the whole model from any rank: DTensor shapes are global (tensor/data sharding), and under
-    pipeline parallelism each stage's count is summed over ``pp_group``.
+    pipeline parallelism (given the ``strategy``) every stage's parameters, a weight tied across stages once.
     """
     embedding = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    params = sum(p.numel() for p in module.parameters() if id(p) not in embedding)  # DTensor: global numel
-    counts = torch.tensor([float(params)], dtype=torch.float64)
-    if pp_group is not None:
-        dist.all_reduce(counts, group=pp_group)
+    params = count_whole_model(module, strategy, lambda p: id(p) not in embedding)
     stack = find_block_stack(module)
     width = next((m.embedding_dim for m in module.modules() if isinstance(m, nn.Embedding)), 0)
     layers = stack.total if stack is not None else 0
-    return 6.0 * float(counts[0]) + 12.0 * layers * width * seq_len
+    return 6.0 * params + 12.0 * layers * width * seq_len
 
 
 # The SXM H200 names itself plainly "NVIDIA H200", which Lightning's table does not parse; its dense peaks are
@@ -109,11 +107,9 @@ class ThroughputAndMemory(Callback):
         tokens_per_sec = self._tokens * dp / max(elapsed, 1e-9)
         pl_module.log("perf/tokens_per_sec", tokens_per_sec, rank_zero_only=True)
         if self.flops_per_token is None:
-            runner = getattr(trainer.strategy, "pipeline_runner", None)
-            group = runner.pp_group if runner is not None else None
             inputs = first_tensor(batch)
             seq_len = int(inputs.shape[-1]) if inputs is not None and inputs.dim() > 1 else 1
-            self.flops_per_token = model_flops_per_token(pl_module, seq_len, group)
+            self.flops_per_token = model_flops_per_token(pl_module, seq_len, trainer.strategy)
         per_device = self.flops_per_token * tokens_per_sec / trainer.world_size
         pl_module.log("perf/tflops_per_device", per_device / 1e12, rank_zero_only=True)
         if self.peak_flops:

@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
+from lightning_llmpar.callbacks.summary import summarize_whole_model
 from lightning_llmpar.checkpointing import dcp as ckpt
 from lightning_llmpar.compose import Composed
 from lightning_llmpar.data_parallel.replicate import prepare_manual_backward
@@ -156,6 +157,7 @@ class FSDP2Backend(ShardingBackend):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(s.optimizers, s.root_device)
         self._install_global_clipping()
+        summarize_whole_model(trainer)  # Lightning's model summary counts every pipeline stage's parameters
 
     def _setup_optimizers(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         s = self.strategy
