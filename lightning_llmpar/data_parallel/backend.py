@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -178,7 +179,7 @@ class FSDP2Backend(ShardingBackend):
     def _install_global_clipping(self) -> None:
         # Lightning clips with torch.nn.utils.clip_grad_norm_, which cannot stack DTensors from different
         # meshes and would clip each shard by its own norm. Every precision plugin funnels through
-        # `clip_grad_by_norm`, so routing that one method keeps loss scaling (unscale first) intact.
+        # `clip_grad_by_norm` (and `clip_grad_by_value`), so routing those keeps loss scaling (unscale first) intact.
         s, ctx = self.strategy, self.ctx
         assert ctx is not None
         precision = s.precision_plugin
@@ -191,7 +192,18 @@ class FSDP2Backend(ShardingBackend):
             params = list(precision.main_params(optimizer))
             clip_grad_norm_(params, float(clip_val), stage_group=stage_group, skip=skip, device=device)
 
+        def clip_grad_by_value(optimizer: Optimizer, clip_val: float | int) -> None:
+            # One foreach clamp per kind of gradient: under tensor parallelism without FSDP the split weights'
+            # are DTensors and the rest plain tensors, which torch's single foreach call refuses to mix.
+            kinds: dict[Any, list[Tensor]] = {}
+            for p in precision.main_params(optimizer):
+                if p.grad is not None:
+                    kinds.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+            for params in kinds.values():
+                torch.nn.utils.clip_grad_value_(params, float(clip_val))
+
         precision.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        precision.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
 
     def backward(self, loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         s, composed = self.strategy, self.composed
