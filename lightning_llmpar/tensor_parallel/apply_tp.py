@@ -29,10 +29,30 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, r
         name = key.split("#", 1)[0]
         parallelize_module(model.get_submodule(name) if name else model, tp_mesh, style)
     _sums_first(users)
+    _support_anomaly_checks()
     if rank_streams:
         apply_rank_streams(model, plan.rank_streams, tp_mesh.get_local_rank(), plan.replicated_dropout)
     set_local_counts(model, plan.local_counts)
     return model
+
+
+_ANOMALY_CHECKS: list[bool] = []
+
+
+def _support_anomaly_checks() -> None:
+    """Let ``detect_anomaly`` check DTensor gradients. Anomaly mode asks whether a gradient has a NaN with
+    ``aten._is_any_true``, which DTensor has no rule for (Trainer(detect_anomaly=True) failed at the first backward
+    under tensor parallelism); its rule here: on the whole tensor, every rank gets the answer."""
+    if _ANOMALY_CHECKS:
+        return
+    import torch
+    from torch.distributed.tensor.experimental import register_sharding
+
+    @register_sharding(torch.ops.aten._is_any_true.default)
+    def _on_the_whole(x: Any) -> list[tuple[list[Any], list[Any]]]:
+        return [([Replicate()], [Replicate()])]
+
+    _ANOMALY_CHECKS.append(True)
 
 
 def _reduced(_module: nn.Module, _args: Any, output: Any) -> Any:
