@@ -55,6 +55,24 @@ def test_evaluation_data_the_data_parallel_ranks_do_not_divide_is_named() -> Non
         strategy.process_dataloader(train)  # training's shuffled order: one repeat in an epoch, as Lightning does
 
 
+def _overfit_warnings() -> list[str]:
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(zero_stage=3), max_steps=1,
+                      overfit_batches=1, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(make_gpt(), datamodule=TokenData(4))
+    return [str(w.message) for w in caught]
+
+
+def test_overfit_batches_with_the_users_own_sampler_is_named() -> None:
+    # Lightning swaps every sampler for a SequentialSampler over the whole dataset when overfitting: ordered_loader's
+    # DistributedSampler too, so both ranks trained on the same batches (losses 0.3 off one process's at dp2).
+    caught = run_ranks(_overfit_warnings, 2)[0]
+    assert any("overfit_batches with use_distributed_sampler=False" in m and "Set use_distributed_sampler=True" in m
+               for m in caught), caught
+
+
 class _Manual(GPTModule):
     def __init__(self) -> None:
         super().__init__(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32)
