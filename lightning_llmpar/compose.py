@@ -42,6 +42,7 @@ from lightning_llmpar.pipeline.setup import build_pipeline
 from lightning_llmpar.strategies.options import StrategyOptions
 from lightning_llmpar.training.documents import apply_document_masking
 from lightning_llmpar.training.loss_normalization import PaddedMeanWarning, TokenNormalizer
+from lightning_llmpar.training.same_batch import SameBatchCheck
 from lightning_llmpar.training.sync_groups import apply_metric_groups
 
 __all__ = ["Composed", "SetupContext", "compose", "composed_before", "parallel_config"]
@@ -77,10 +78,14 @@ class Composed:
     context_parallel: ContextParallel | None = None
     tokens: TokenNormalizer | None = None
     padded_mean: PaddedMeanWarning | None = None
+    same_batch: SameBatchCheck | None = None
 
     def see_batch(self, batch: Any) -> None:
-        """A training batch, before its step: its valid targets counted (``loss_normalization='tokens'``; a
-        pipeline's runner counts its own microbatches), or its padding looked for (``'mean'``)."""
+        """A training batch, before its step: the same on every rank of the replica (the first ones compared), its
+        valid targets counted (``loss_normalization='tokens'``; a pipeline's runner counts its own microbatches), or
+        its padding looked for (``'mean'``)."""
+        if self.same_batch is not None:
+            self.same_batch.see(batch)
         if self.tokens is not None and self.runner is None:
             self.tokens.add(batch)
         elif self.padded_mean is not None:
@@ -133,6 +138,11 @@ def compose(module: nn.Module, ctx: SetupContext) -> Composed:
         microbatches = options.pipeline.microbatches if layout.pp > 1 else 1
         parts = [f"{n} {what}" for n, what in ((layout.dp, "data-parallel ranks"), (microbatches, "microbatches")) if n > 1]
         done.padded_mean = PaddedMeanWarning(" x ".join(parts)) if parts else None
+    axes = (("tensor", "tp", layout.tp), ("context", "cp", layout.cp), ("pipeline", "pp", layout.pp))
+    replica = {name: mesh[axis].get_group() for name, axis, degree in axes if degree > 1}
+    if replica:  # ranks that must read one batch (see training.same_batch)
+        data = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        done.same_batch = SameBatchCheck(replica, ctx.device, {"num_replicas": data.size(), "rank": data.get_local_rank()})
     if layout.cp > 1:
         done.context_parallel = apply_context_parallel(module, mesh["cp"], options.context_parallel_mode)
     stage_roots: list[nn.Module] = []

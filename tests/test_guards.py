@@ -73,6 +73,34 @@ def test_overfit_batches_with_the_users_own_sampler_is_named() -> None:
                for m in caught), caught
 
 
+class _PerProcessStream(torch.utils.data.IterableDataset):
+    """A stream split by the global rank, as many are: under tensor parallelism the two ranks read different data."""
+
+    def __iter__(self) -> Any:
+        g = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
+        for _ in range(8):
+            tokens = torch.randint(0, 64, (17,), generator=g)
+            yield tokens[:-1], tokens[1:]
+
+
+def _fit_a_per_process_stream() -> None:
+    module = make_gpt()
+    module.train_dataloader = lambda: DataLoader(_PerProcessStream(), batch_size=4)  # type: ignore[method-assign]
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(tensor_parallel=2), max_steps=2,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0)
+    trainer.fit(module)
+
+
+def test_tensor_parallel_ranks_reading_different_batches_are_stopped() -> None:
+    # Each rank's shard of every matmul saw other tokens, and the step went on without a word.
+    with pytest.raises(RuntimeError) as stopped:
+        run_ranks(_fit_a_per_process_stream, 2)
+    message = str(stopped.value)
+    assert message.count("the tensor-parallel ranks [0, 1] received different training batches (batch 0") == 2, message[-2000:]
+    assert "distributed_sampler_kwargs ({'num_replicas': 1, 'rank': 0} on this rank)" in message
+
+
 class _Manual(GPTModule):
     def __init__(self) -> None:
         super().__init__(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32)
