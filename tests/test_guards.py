@@ -46,7 +46,7 @@ def test_evaluation_data_the_data_parallel_ranks_do_not_divide_is_named() -> Non
 
     strategy = LLMParallelStrategy(zero_stage=3)
     seven, eight = (DataLoader(list(range(n)), sampler=DistributedSampler(list(range(n)), 2, 0, shuffle=False)) for n in (7, 8))
-    with pytest.warns(UserWarning, match="evaluation data's 7 samples do not divide over 2 data-parallel ranks: .* repeats 1"):
+    with pytest.warns(UserWarning, match="The data's 7 samples do not divide over 2 data-parallel ranks: .* repeats 1"):
         assert strategy.process_dataloader(seven) is seven
     with warnings.catch_warnings():
         warnings.simplefilter("error")

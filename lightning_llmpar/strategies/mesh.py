@@ -19,14 +19,14 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.data import DistributedSampler, SequentialSampler
 from typing_extensions import override
 
 from lightning_llmpar.layout import ParallelLayout
+from lightning_llmpar.training.loaders import check_loader
 from lightning_llmpar.training.sync_groups import log_group
 
 __all__ = ["MeshStrategy"]
@@ -137,26 +137,8 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        sampler = getattr(dataloader, "sampler", None)
-        trainer = getattr(self.lightning_module, "_trainer", None)
         ranks = self._dp_mesh.size() if self._dp_mesh is not None else 1
-        if (trainer is not None and trainer.overfit_batches and ranks > 1 and isinstance(sampler, SequentialSampler)
-                and not trainer._accelerator_connector.use_distributed_sampler):
-            rank_zero_warn(
-                "overfit_batches with use_distributed_sampler=False: Lightning replaced the loader's sampler (your"
-                f" DistributedSampler too) with a SequentialSampler over the whole dataset, so each of the {ranks}"
-                " data-parallel ranks trains on the same first batches unless the dataset is already that rank's"
-                " part. Set use_distributed_sampler=True: Lightning then splits those batches over the ranks."
-            )
-        if isinstance(sampler, DistributedSampler) and not sampler.shuffle:  # Lightning's for evaluation
-            samples = len(sampler.dataset)  # type: ignore[arg-type]
-            if sampler.total_size > samples:
-                rank_zero_warn(
-                    f"The evaluation data's {samples} samples do not divide over {sampler.num_replicas} data-parallel"
-                    f" ranks: Lightning's DistributedSampler repeats {sampler.total_size - samples} of them to even the"
-                    " ranks out, so what validation and test log (and a checkpoint's monitored value) counts them"
-                    f" twice and differs from one process's. Use a multiple of {sampler.num_replicas} samples."
-                )
+        check_loader(dataloader, getattr(self.lightning_module, "_trainer", None), ranks)  # runs unlike one process's
         return dataloader
 
     @override
