@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -36,23 +38,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, r
     return model
 
 
-_ANOMALY_CHECKS: list[bool] = []
-
-
+@cache  # registered once per process
 def _support_anomaly_checks() -> None:
     """Let ``detect_anomaly`` check DTensor gradients. Anomaly mode asks whether a gradient has a NaN with
     ``aten._is_any_true``, which DTensor has no rule for (Trainer(detect_anomaly=True) failed at the first backward
     under tensor parallelism); its rule here: on the whole tensor, every rank gets the answer."""
-    if _ANOMALY_CHECKS:
-        return
-    import torch
     from torch.distributed.tensor.experimental import register_sharding
 
     @register_sharding(torch.ops.aten._is_any_true.default)
     def _on_the_whole(x: Any) -> list[tuple[list[Any], list[Any]]]:
         return [([Replicate()], [Replicate()])]
-
-    _ANOMALY_CHECKS.append(True)
 
 
 def _reduced(_module: nn.Module, _args: Any, output: Any) -> Any:

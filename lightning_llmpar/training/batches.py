@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["batch_size", "batch_tokens", "first_tensor", "train_batch_sizes"]
+__all__ = ["batch_size", "batch_tensors", "batch_tokens", "first_tensor", "train_batch_sizes"]
 
 
 def first_tensor(batch: Any) -> Tensor | None:
@@ -18,6 +19,18 @@ def first_tensor(batch: Any) -> Tensor | None:
         if isinstance(leaf, Tensor) and leaf.dim() > 0:
             return leaf
     return None
+
+
+def batch_tensors(batch: Any) -> list[Tensor]:
+    """Every tensor in ``batch``, in order, through dicts and any mapping (a tokenizer's ``BatchEncoding``), lists
+    and tuples."""
+    if isinstance(batch, Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for value in batch.values() for t in batch_tensors(value)]
+    if isinstance(batch, (list, tuple)):
+        return [t for value in batch for t in batch_tensors(value)]
+    return []
 
 
 def batch_size(batch: Any) -> int:

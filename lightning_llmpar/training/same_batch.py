@@ -11,30 +11,21 @@ all-gather per axis and one all-reduce), and a difference stops every rank with 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_llmpar.training.batches import batch_tensors
+
 __all__ = ["SameBatchCheck"]
-
-
-def _tensors(batch: Any) -> list[Tensor]:
-    if isinstance(batch, Tensor):
-        return [batch]
-    if isinstance(batch, Mapping):
-        return [t for value in batch.values() for t in _tensors(value)]
-    if isinstance(batch, (list, tuple)):
-        return [t for value in batch for t in _tensors(value)]
-    return []
 
 
 def _fingerprint(batch: Any, device: torch.device) -> Tensor:
     """Shapes and values, summed plainly and by position (a reordering changes the second sum)."""
     out = torch.zeros(4, dtype=torch.float64, device=device)
-    for t in _tensors(batch):
+    for t in batch_tensors(batch):
         flat = t.detach().reshape(-1).to(device=device, dtype=torch.float64)
         place = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=device).remainder_(8191).add_(1)
         out += torch.stack([torch.tensor(float(t.dim()), dtype=torch.float64, device=device),
