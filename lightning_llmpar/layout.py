@@ -172,8 +172,8 @@ class ParallelLayout:
             if self.tp > 1 and self.dp_shard * self.cp > 1:
                 # A gradient norm is partial over both axes a parameter is sharded on (FSDP's and tensor
                 # parallelism's): with the two flattened, DTensor reduces it in one all-reduce instead of two.
-                shard = "dp_shard_cp" if self.cp > 1 else "dp_shard"
-                mesh[shard, "tp"]._flatten(f"{shard}_tp")
+                shard = ("dp_shard", "cp") if self.cp > 1 else ("dp_shard",)
+                mesh[(*shard, "tp")]._flatten("_".join((*shard, "tp")))
             if self.tp > 1 or self.pp > 1:  # the ranks holding different data, for logged values and metrics
                 mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
                 if self.tp > 1 and self.pp > 1:
@@ -181,6 +181,14 @@ class ParallelLayout:
             return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
         return reuse_groups(("mesh", device_type, shape), build)
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The (dp_replicate, shard) mesh FSDP runs on. Context-parallel ranks compute gradients of the same
+        parameters from different tokens, so with cp > 1 the shard axis is 'dp_shard_cp' (as in torchtitan). It is
+        joined to dp_replicate as a mesh of its own: torch deprecates slicing a flattened axis from the root mesh."""
+        if self.cp == 1:
+            return mesh["dp_replicate", "dp_shard"]
+        return DeviceMesh._concatenate([mesh["dp_replicate"], mesh["dp_shard", "cp"]._flatten("dp_shard_cp")])
 
     def expert_meshes(self, mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
         """``mesh`` with the data-parallel axis that holds the expert-parallel ranks split in two (outer: the rest,

@@ -128,9 +128,9 @@ def parallelize(
         apply_replicate(model, mesh["dp_replicate"].get_group())
         done.dp_roots = [model]
         return done
-    # Context-parallel ranks compute gradients of the same parameters from different tokens: FSDP shards over them
-    # as over dp_shard (as torchtitan does), so with context parallelism parameters are sharded even at ZeRO-0.
-    dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if layout.cp > 1 else mesh["dp_replicate", "dp_shard"]
+    # FSDP shards over the context-parallel ranks too, so with context parallelism parameters are sharded even at
+    # ZeRO-0.
+    dp_mesh = layout.fsdp_mesh(mesh)
     if config.gradient_compression is not None and layout.zero_stage == 0:
         # FSDP2 on the size-1 dp_shard axis communicates nothing, so the compressed all-reduce hook
         # (applied by the caller) is the only gradient sync; see compression_hooks.
