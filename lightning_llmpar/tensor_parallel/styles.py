@@ -323,7 +323,10 @@ class PrepareFirstInput(ParallelStyle):
 
 
 class GatherFirstOutput(ParallelStyle):
-    """Redistribute the first tensor of a module's output (a tensor, or a tuple or list led by one)."""
+    """Redistribute the first tensor of a module's output (a tensor, or a tuple or list led by one). The result is
+    a tensor of its own, as a module's output is, not the view ``DTensor.to_local`` returns: code after the module
+    may change it in place (autograd forbids that on the view), and FSDP2 warns of a view leaving one of its units
+    (the last block's output, which this gathers under sequence parallelism)."""
 
     def __init__(self, current: Any, desired: Any) -> None:
         super().__init__()
@@ -338,8 +341,8 @@ class GatherFirstOutput(ParallelStyle):
                 # The module flattened (batch, seq) into one token dim (Llama 4's MoE layer): shard the sequence
                 # as its input was, not the flat token list, then flatten this rank's tokens the same way.
                 local = _to_dtensor(tensor.view(given.shape), device_mesh, self.current, self.desired).to_local()
-                return local.flatten(0, given.dim() - tensor.dim())
-            return _to_dtensor(tensor, device_mesh, self.current, self.desired).to_local()
+                return local.flatten(0, given.dim() - tensor.dim()).clone()
+            return _to_dtensor(tensor, device_mesh, self.current, self.desired).to_local().clone()
 
         def hook(_mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             given = args[0] if args else kwargs.get(first)
