@@ -13,6 +13,7 @@ weights FSDP2 carries.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import lightning.pytorch as pl
@@ -41,9 +42,15 @@ def apply_replicate(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
     """DDP over ``group`` on ``model`` in place; the reducer is built at the first forward (after materialization)."""
     # find_unused_parameters: a step may leave parameters without a gradient (experts no token was routed to, a
     # head only validation uses), which FSDP2 takes in its stride and DDP would otherwise fail on one step later.
-    # broadcast_buffers=False: buffers are built identically on every rank, as under FSDP2, which never syncs them.
     return replicate(model, process_group=group, bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=True,
-                     broadcast_buffers=False, find_unused_parameters=True)
+                     find_unused_parameters=True, **_NO_BUFFER_SYNC)
+
+
+# Buffers are built identically on every rank, as under FSDP2, which never syncs them: no sync before each forward.
+# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers and warns on the old name.
+_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                   if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+                   else {"broadcast_buffers": False})
 
 
 def _reducer_owner(module: nn.Module | None) -> DistributedDataParallel | None:
