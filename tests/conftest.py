@@ -97,6 +97,8 @@ FULL: list[tuple[str, str]] = [
     ("tests/precision/test_precision.py::test_precision_tracks_fp32_under_layouts[[]fp8-tensorwise-tp2-dp2-zero3]",
      "fp8 rowwise is fast; bf16/fp8 matmuls are slow on CPU"),
     ("tests/precision/test_precision.py::test_precision_tracks_fp32_under_layouts[[]fp8-pp2]", "fp8 rowwise is fast"),
+    ("tests/precision/test_precision.py::test_fp8_weights_gathered_in_fp8_are_scaled_as_one_process_scales_them",
+     "four ranks, four runs (25 s); FP8 under ZeRO-3 and the rowwise refusal are fast"),
     ("tests/data_parallel/test_compression.py::test_lossless_settings_reproduce_single_process[[]dp2-zero1-powersgd-*]",
      "lossless top-k is fast"),
     ("tests/data_parallel/test_compression.py::test_lossless_settings_reproduce_single_process[[]pp2-dp2-zero1-topk1]",

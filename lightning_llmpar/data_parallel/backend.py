@@ -159,6 +159,13 @@ class FSDP2Backend(ShardingBackend):
             _optimizers_to_device(s.optimizers, s.root_device)
         self._install_global_clipping()
         summarize_whole_model(trainer)  # Lightning's model summary counts every pipeline stage's parameters
+        self._weights_in_place()
+
+    def _weights_in_place(self) -> None:
+        """What a precision plugin derives from the weights (FP8 scales) follows weights set outside a step."""
+        refresh = getattr(self.strategy.precision_plugin, "refresh_weight_scales", None)
+        if refresh is not None:
+            refresh(self.strategy.lightning_module)
 
     def _setup_optimizers(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         s = self.strategy
@@ -293,4 +300,5 @@ class FSDP2Backend(ShardingBackend):
             )  # the strategy verified the folder once, on rank 0
         if composed.compression is not None:
             composed.compression.load(path, s.global_rank, s.root_device)
+        self._weights_in_place()
         return meta

@@ -233,12 +233,19 @@ class FP8Precision(_MeshPrecision, Precision):
         self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         out = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        self.refresh_weight_scales(model)  # the next all-gather sends the updated weights
+        return out
+
+    def refresh_weight_scales(self, model: nn.Module) -> None:
+        """With ``float8_all_gather``, FSDP gathers FP8 weights cast with scales precomputed from the whole weights
+        (one all-reduce). Without them torchao takes each rank's amax over FSDP's ranks only, which under tensor
+        parallelism is a shard's, not the weight's: 1.8e-4 off one process in the first loss at dp2 x tp2. So they
+        are computed after every optimizer step, and by the strategy whenever weights are put in place (set-up,
+        a checkpoint loaded)."""
         if self.float8_all_gather:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-            # The next all-gather sends FP8 weights; their scales come from the updated fp32 shards.
             precompute_float8_dynamic_scale_for_fsdp(model)
-        return out
 
 
 def _dtype(name: str, value: str | torch.dtype) -> torch.dtype:
