@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningDataModule
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from lightning_llmpar.fault_tolerance.sampler import ResumableDataLoader, ResumableDistributedSampler
 
@@ -93,6 +93,9 @@ def ordered_loader(dataset: Dataset, batch_size: int, strategy: Any, drop_last: 
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last)
 
 
+VAL_MULTIPLE = 64  # the held-out windows are trimmed to a multiple of this
+
+
 class CorpusDataModule(LightningDataModule):
     """Train/validation split of the corpus. ``packed``: rows of several documents each (dict batches with
     restarting ``position_ids``, see _PackedWindows).
@@ -126,12 +129,16 @@ class CorpusDataModule(LightningDataModule):
         split = int(len(tokens) * (1 - hp.val_fraction))
         windows = _PackedWindows if hp.packed else _Windows
         self.train_set = windows(tokens[:split], hp.block_size)
-        self.val_set = windows(tokens[split:], hp.block_size)
-        if len(self.val_set) == 0:
+        val = windows(tokens[split:], hp.block_size)
+        if len(val) == 0:
             raise ValueError(
                 f"The validation split ({len(tokens) - split} bytes) is shorter than one block ({hp.block_size})."
                 " Raise max_bytes or val_fraction."
             )
+        # A whole number of windows per data-parallel rank, up to 64 ranks (powers of two): Lightning's in-order
+        # DistributedSampler would otherwise repeat windows to even the ranks out, and the validation figures would
+        # differ from one process's.
+        self.val_set = Subset(val, range(len(val) - len(val) % VAL_MULTIPLE)) if len(val) >= VAL_MULTIPLE else val
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None

@@ -236,3 +236,17 @@ def test_tokens_normalization_counts_the_bundled_packed_rows() -> None:
     assert ignored > 0 and count_target_tokens(batch) == batch["targets"].numel() - ignored
     labels = torch.tensor([[5, 6, -100, 7]])
     assert count_target_tokens({"labels": labels}) == 2 and count_target_tokens((labels, labels)) == 3
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_bundled_validation_windows_divide_over_data_parallel_ranks(packed: bool) -> None:
+    # Lightning's in-order DistributedSampler repeats windows to even out ranks that do not divide them, and the
+    # validation figures then differ from one process's: the main job (dp2) warned of 781 windows.
+    from lightning_llmpar.data import VAL_MULTIPLE, CorpusDataModule
+
+    data = CorpusDataModule(block_size=128, packed=packed)
+    data.setup("fit")
+    assert len(data.val_set) >= VAL_MULTIPLE and len(data.val_set) % VAL_MULTIPLE == 0
+    small = CorpusDataModule(block_size=128, max_bytes=40_000, packed=packed)
+    small.setup("fit")
+    assert 0 < len(small.val_set) < VAL_MULTIPLE  # too few to trim: kept whole
