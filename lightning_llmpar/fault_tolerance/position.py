@@ -8,6 +8,7 @@ for its own checkpoints; the two together count each batch once.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -34,8 +35,24 @@ def resumable_sampler(trainer: Trainer) -> ResumableDistributedSampler | None:
     return None
 
 
+# Lightning warns, as the resumed epoch starts (after ``on_train_start``), that a mid-epoch resume of a loader it
+# cannot restore is unreliable. Once the sampler was started after the saved position the resume is exact, so the
+# warning is silenced from then until the first trained batch.
+_LIGHTNING_RESUME_WARNING = r"You're resuming from a checkpoint that ended before the epoch ended"
+
+
+def _silence_resume_warning(silence: bool) -> None:
+    entry = ("ignore", _LIGHTNING_RESUME_WARNING)
+    present = [f for f in warnings.filters if f[0] == entry[0] and getattr(f[1], "pattern", None) == entry[1]]
+    if silence and not present:
+        warnings.filterwarnings("ignore", message=_LIGHTNING_RESUME_WARNING)
+    for f in present if not silence else ():
+        warnings.filters.remove(f)
+
+
 def count_batch(trainer: Trainer, batch: Any, batch_idx: int) -> None:
     """Add a trained batch to the sampler's position, once however many callbacks report it."""
+    _silence_resume_warning(False)
     _count(trainer, batch_size(batch), batch_idx)
 
 
@@ -61,6 +78,7 @@ def restore_position(trainer: Trainer, position: dict[str, int] | None) -> None:
         )
     if sampler is not None and position is not None and position["epoch"] == trainer.current_epoch:
         sampler.load_state_dict(position)
+        _silence_resume_warning(True)
 
 
 class DataPosition(Callback):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -59,5 +60,11 @@ def test_a_checkpoint_saved_by_an_earlier_callback_resumes_after_its_step(tmp_pa
     # DataPosition counted a batch in its own on_train_batch_end, so a callback ahead of it saved the position one
     # batch short: the resumed run trained step 3's samples again and never saw the epoch's last batch.
     whole = _fit([_SaveAtStep(3, tmp_path / "step3.ckpt")]).seen
-    resumed = _fit([], ckpt_path=tmp_path / "step3.ckpt").seen
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = _fit([], ckpt_path=tmp_path / "step3.ckpt").seen
+        # Silenced only until the first batch trained: a later resume without the position still warns.
+        assert not [f for f in warnings.filters if getattr(f[1], "pattern", "").startswith("You're resuming")]
     assert resumed == whole[3:]
+    # Lightning's warning that a mid-epoch resume of a loader it cannot restore is unreliable: this one is exact.
+    assert not [w for w in caught if "resuming from a checkpoint that ended before" in str(w.message)]
