@@ -40,7 +40,7 @@ from lightning_llmpar.parallelize import ParallelConfig, Parallelized, paralleli
 from lightning_llmpar.pipeline.runner import PipelineRunner
 from lightning_llmpar.pipeline.setup import build_pipeline
 from lightning_llmpar.strategies.options import StrategyOptions
-from lightning_llmpar.training.documents import apply_document_masking
+from lightning_llmpar.training.documents import apply_document_masking, refuse_packed_padding
 from lightning_llmpar.training.loss_normalization import PaddedMeanWarning, TokenNormalizer
 from lightning_llmpar.training.same_batch import SameBatchCheck
 from lightning_llmpar.training.sync_groups import apply_metric_groups
@@ -84,6 +84,8 @@ class Composed:
         """A training batch, before its step: the same on every rank of the replica (the first ones compared), its
         valid targets counted (``loss_normalization='tokens'``; a pipeline's runner counts its own microbatches), or
         its padding looked for (``'mean'``)."""
+        if isinstance(batch, dict):  # the whole rows, as every rank has them (a context-parallel forward sees a part)
+            refuse_packed_padding(batch.get("position_ids"), batch.get("attention_mask"))
         if self.same_batch is not None:
             self.same_batch.see(batch)
         if self.tokens is not None and self.runner is None:

@@ -223,6 +223,47 @@ def test_transformers_packed_rows_with_an_attention_mask() -> None:
         _per_token(model, {**ones, "attention_mask": ones["attention_mask"].tril(8)[:, :SEQ]}, "hf")
 
 
+def test_transformers_packed_rows_are_masked_in_evaluation_too() -> None:
+    # Validation forwards keep the config's key/value cache unless told otherwise: packed documents attended across
+    # their boundaries there (val_loss 0.01 off the per-document loss at cp2), and a monitored checkpoint chose
+    # another step.
+    torch.manual_seed(0)
+    model = _HF().model.train()
+    apply_document_masking(model)
+    packed = _Batches("hf", True)[0]
+    expected = _per_token(model, packed, "hf")
+    with torch.no_grad():
+        torch.testing.assert_close(_per_token(model.eval(), packed, "hf"), expected, atol=1e-6, rtol=0)
+
+
+def _fit_padded_packed_rows() -> str:
+    """Ulysses cp2 on packed rows padded at the end (attention_mask zeros): the error each rank raises."""
+    batch = _Batches("hf", True)[0]
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    batch["attention_mask"][:, -2:] = 0  # on the second context-parallel rank's part only
+    try:
+        _fit_batches([batch], {"context_parallel": 2, "context_parallel_mode": "ulysses"})
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def _fit_batches(batches: list[dict[str, torch.Tensor]], kwargs: dict[str, Any]) -> None:
+    from lightning_llmpar import LLMParallelStrategy
+
+    trainer = Trainer(accelerator="cpu", devices=2, max_steps=1, logger=False, strategy=LLMParallelStrategy(**kwargs),
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      use_distributed_sampler=False)
+    trainer.fit(_HF(), train_dataloaders=DataLoader(batches, batch_size=None))
+
+
+def test_packed_rows_with_padding_are_refused_on_every_context_parallel_rank() -> None:
+    # Each rank's forward sees its part of the rows: refused by the rank whose part held both a document start and
+    # padding, the other waited in the all-to-all until gloo gave up (2 minutes, "Connection closed by peer").
+    errors = run_ranks(_fit_padded_packed_rows, 2, timeout=300)
+    assert all("packs several documents in a row" in e for e in errors), errors
+
+
 def test_tokens_normalization_counts_the_bundled_packed_rows() -> None:
     # loss_normalization='tokens' counts a dict's 'targets' (already shifted, -100 at each document's end), as the
     # bundled packed rows and the example GPT use them; 'labels' are shifted by one as transformers does.

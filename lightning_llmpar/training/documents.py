@@ -9,6 +9,7 @@ trains exactly as its documents would one per row with padding, provided attenti
   ``find_packed_sequence_indices``); with the cache their config asks for (``use_cache=True``, the default) a packed
   row attends across its documents. ``apply_document_masking`` makes training forwards of transformers models run
   without one when they are given ``position_ids`` and no ``attention_mask``: a cache has no use in a training step.
+  Evaluation forwards too, unless the step asks for a cache or passes a mask itself.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 from lightning_llmpar.modeling.structure import is_transformers
 
 __all__ = ["apply_document_masking", "document_causal_mask", "document_ids_from_positions", "is_packed",
-           "hook_models_with_cache", "positions_from_documents"]
+           "hook_models_with_cache", "positions_from_documents", "refuse_packed_padding"]
 
 
 def document_ids_from_positions(position_ids: Tensor) -> Tensor:
@@ -63,22 +64,32 @@ def apply_document_masking(module: nn.Module) -> int:
 
     def hook(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         positions, mask = kwargs.get("position_ids"), kwargs.get("attention_mask")
-        if not model.training or positions is None or kwargs.get("past_key_values") is not None:
+        if positions is None or kwargs.get("past_key_values") is not None:
             return None
+        if not model.training:  # evaluation: packed rows masked alike, unless the step asks for a cache or a mask
+            return None if mask is not None or "use_cache" in kwargs else (args, {**kwargs, "use_cache": False})
         if mask is not None:
             if not (isinstance(mask, Tensor) and mask.dim() == 2 and is_packed(positions)):
                 return None
-            if not bool(mask.all()):
-                raise ValueError(
-                    "This batch packs several documents in a row (position_ids restarting at 0 inside it) and pads"
-                    " too (attention_mask has zeros); transformers masks packed documents only without an"
-                    " attention_mask, so they would attend across their boundaries. Pack without padding (labels -100"
-                    " where ignored) and leave attention_mask out, or pad one document per row."
-                )
+            refuse_packed_padding(positions, mask)
             kwargs = {k: v for k, v in kwargs.items() if k != "attention_mask"}  # all ones: it says nothing
         return args, {**kwargs, "use_cache": False}
 
     return hook_models_with_cache(module, hook, "_llmpar_document_masking")
+
+
+def refuse_packed_padding(positions: Any, mask: Any) -> None:
+    """Refuse rows that pack documents and pad too. The strategy asks it of each whole training batch before the
+    step, so every rank decides alike: a context-parallel rank's forward sees only its part of each row."""
+    if not (isinstance(positions, Tensor) and isinstance(mask, Tensor) and mask.dim() == 2):
+        return
+    if is_packed(positions) and not bool(mask.all()):
+        raise ValueError(
+            "This batch packs several documents in a row (position_ids restarting at 0 inside it) and pads"
+            " too (attention_mask has zeros); transformers masks packed documents only without an"
+            " attention_mask, so they would attend across their boundaries. Pack without padding (labels -100"
+            " where ignored) and leave attention_mask out, or pad one document per row."
+        )
 
 
 def hook_models_with_cache(module: nn.Module, hook: Any, flag: str) -> int:
