@@ -79,12 +79,13 @@ class Composed:
     tokens: TokenNormalizer | None = None
     padded_mean: PaddedMeanWarning | None = None
     same_batch: SameBatchCheck | None = None
+    hf_documents: bool = False  # transformers models whose forwards mask packed documents (training.documents)
 
     def see_batch(self, batch: Any) -> None:
         """A training batch, before its step: the same on every rank of the replica (the first ones compared), its
         valid targets counted (``loss_normalization='tokens'``; a pipeline's runner counts its own microbatches), or
         its padding looked for (``'mean'``)."""
-        if isinstance(batch, dict):  # the whole rows, as every rank has them (a context-parallel forward sees a part)
+        if self.hf_documents and isinstance(batch, dict):  # whole rows (a context-parallel forward sees a part)
             refuse_packed_padding(batch.get("position_ids"), batch.get("attention_mask"))
         if self.same_batch is not None:
             self.same_batch.see(batch)
@@ -129,10 +130,10 @@ def compose(module: nn.Module, ctx: SetupContext) -> Composed:
     options, layout, mesh = ctx.options, ctx.layout, ctx.mesh
     if options.block_stack is not None:
         mark_block_stack(module, options.block_stack)
-    apply_document_masking(module)  # packed documents in transformers models (see training.documents)
+    hf_documents = apply_document_masking(module) > 0  # packed documents in transformers models (training.documents)
     if hasattr(ctx.precision, "convert_before_parallelism"):
         ctx.precision.convert_before_parallelism(module)
-    done = Composed(layout, parallel_config(options, ctx.precision))
+    done = Composed(layout, parallel_config(options, ctx.precision), hf_documents=hf_documents)
     if options.count_tokens is not None:
         # Context-parallel ranks count the same whole batch (each weighs its own part, see context_parallel).
         done.tokens = TokenNormalizer(options.count_tokens, layout.tp * layout.cp, layout.dp, ctx.device)
