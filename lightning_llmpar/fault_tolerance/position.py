@@ -42,12 +42,12 @@ _LIGHTNING_RESUME_WARNING = r"You're resuming from a checkpoint that ended befor
 
 
 def _silence_resume_warning(silence: bool) -> None:
-    entry = ("ignore", _LIGHTNING_RESUME_WARNING)
-    present = [f for f in warnings.filters if f[0] == entry[0] and getattr(f[1], "pattern", None) == entry[1]]
-    if silence and not present:
+    ours = [f for f in warnings.filters if f[0] == "ignore" and getattr(f[1], "pattern", None) == _LIGHTNING_RESUME_WARNING]
+    if silence and not ours:
         warnings.filterwarnings("ignore", message=_LIGHTNING_RESUME_WARNING)
-    for f in present if not silence else ():
-        warnings.filters.remove(f)
+    elif not silence:
+        for f in ours:
+            warnings.filters.remove(f)
 
 
 def count_batch(trainer: Trainer, batch: Any, batch_idx: int) -> None:
