@@ -209,14 +209,19 @@ def test_packed_rows_are_exact_under_tp_pp_zero_and_ulysses() -> None:
             errors[0][-1500:]
 
 
-def test_transformers_packed_rows_with_an_attention_mask() -> None:
-    # An all-ones attention_mask beside packed positions (some collators add one) says nothing: left out, so
-    # transformers still masks the documents; one with padding cannot be honoured with packing and is refused.
+def _masked_hf_model() -> tuple[Any, dict[str, torch.Tensor], torch.Tensor]:
+    """transformers' Llama in training mode with document masking, a packed batch, and its per-token losses."""
     torch.manual_seed(0)
     model = _HF().model.train()
     apply_document_masking(model)
     packed = _Batches("hf", True)[0]
-    expected = _per_token(model, packed, "hf")
+    return model, packed, _per_token(model, packed, "hf")
+
+
+def test_transformers_packed_rows_with_an_attention_mask() -> None:
+    # An all-ones attention_mask beside packed positions (some collators add one) says nothing: left out, so
+    # transformers still masks the documents; one with padding cannot be honoured with packing and is refused.
+    model, packed, expected = _masked_hf_model()
     ones = {**packed, "attention_mask": torch.ones_like(packed["input_ids"])}
     torch.testing.assert_close(_per_token(model, ones, "hf"), expected, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="pads\\s+too .* Pack without padding"):
@@ -227,11 +232,7 @@ def test_transformers_packed_rows_are_masked_in_evaluation_too() -> None:
     # Validation forwards keep the config's key/value cache unless told otherwise: packed documents attended across
     # their boundaries there (val_loss 0.01 off the per-document loss at cp2), and a monitored checkpoint chose
     # another step.
-    torch.manual_seed(0)
-    model = _HF().model.train()
-    apply_document_masking(model)
-    packed = _Batches("hf", True)[0]
-    expected = _per_token(model, packed, "hf")
+    model, packed, expected = _masked_hf_model()
     with torch.no_grad():
         torch.testing.assert_close(_per_token(model.eval(), packed, "hf"), expected, atol=1e-6, rtol=0)
 
