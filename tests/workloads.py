@@ -149,10 +149,16 @@ class _PositionsAtRoot(_PositionsInForward):
         return self.model(idx, pos=position_ids)
 
 
+def _without_optimizer() -> LightningModule:
+    module = make_gpt()
+    module.configure_optimizers = lambda: None  # type: ignore[method-assign]
+    return module
+
+
 MODELS = {"gpt": make_gpt, "llama": HFLlamaModule, "llama_tied": lambda: HFLlamaModule(tie=True), "llama_hooked": _HookedLlama,
           "gpt_extra": lambda: _ExtraParameter(True), "gpt_extra_lenient": lambda: _ExtraParameter(False),
           "gpt_partly_optimized": _PartlyOptimized, "gpt_steep": _SteepLoss, "gpt_positions_in_forward": _PositionsInForward,
-          "gpt_positions_at_root": _PositionsAtRoot}
+          "gpt_positions_at_root": _PositionsAtRoot, "gpt_without_optimizer": _without_optimizer}
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

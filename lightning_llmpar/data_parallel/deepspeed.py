@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -108,6 +109,12 @@ class DeepSpeedBackend(ShardingBackend):
                     f" {len(s.optimizers)}."
                 )
             optimizer = s.optimizers[0]
+            if isinstance(optimizer, _MockOptimizer):  # configure_optimizers returned None
+                raise ValueError(
+                    "sharding_backend='deepspeed' needs an optimizer: configure_optimizers returned None, and the"
+                    " engine's ZeRO optimizer cannot wrap none. Return a torch optimizer, or use"
+                    " sharding_backend='fsdp2' (the default), which trains without one as Lightning does."
+                )
         clip = trainer.gradient_clip_val
         if clip is not None and trainer.gradient_clip_algorithm not in (None, "norm"):
             raise ValueError("DeepSpeed clips by norm only; set gradient_clip_algorithm='norm'.")

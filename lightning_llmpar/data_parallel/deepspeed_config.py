@@ -41,6 +41,30 @@ def _agree(user: dict[str, Any], key: str, ours: Any, what: str, fix: str) -> No
         )
 
 
+def _refuse_loop_sections(user: dict[str, Any], gradient_compression: str | None) -> None:
+    """Sections for what Lightning's loop owns here. The engine would run them beside the loop: a config's
+    scheduler steps the learning rate of configure_optimizers' optimizer (WarmupLR held it at 0), and its
+    optimizer is ignored for the one configure_optimizers returns."""
+    if "scheduler" in user:
+        raise ValueError(
+            f"The DeepSpeed config has a scheduler section ({user['scheduler'].get('type')!r}); the learning-rate"
+            " schedule comes from configure_optimizers (a torch LR scheduler that Lightning steps). Remove the"
+            " 'scheduler' section and return the scheduler from configure_optimizers."
+        )
+    if "optimizer" in user and gradient_compression is None:
+        raise ValueError(
+            f"The DeepSpeed config has an optimizer section ({user['optimizer'].get('type')!r}); the optimizer is"
+            " the one configure_optimizers returns (DeepSpeed's 1-bit Adam: gradient_compression='onebit_adam')."
+            " Remove the 'optimizer' section."
+        )
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
+        if key in user:
+            raise ValueError(
+                f"The DeepSpeed config sets {key} = {user[key]!r}; the batch size is the DataLoader's and"
+                f" accumulation the Trainer's (accumulate_grad_batches). Remove {key!r} from the config."
+            )
+
+
 def deepspeed_precision(plugin: Any) -> dict[str, Any]:
     """The engine's own precision sections for one of our precision plugins (the engine then scales, casts and
     skips overflowed steps itself): FP16Precision -> fp16 with its dynamic loss scaler (same initial scale,
@@ -83,7 +107,6 @@ def build_deepspeed_config(
     offload_parameters: str | None = None,
     gradient_clipping: float | None = None,
     gradient_compression: str | None = None,
-    micro_batch_size: int = 1,
     accumulate: int = 1,
     num_params: int | None = None,
     precision: dict[str, Any] | None = None,
@@ -122,6 +145,7 @@ def build_deepspeed_config(
                 f" plugins=[BF16Precision()/FP16Precision()]). Remove the {section!r} section."
             )
     config.update(precision or {})
+    _refuse_loop_sections(user, gradient_compression)
     if "gradient_accumulation_steps" in user and user["gradient_accumulation_steps"] != 1:
         raise ValueError(
             "The DeepSpeed config sets gradient_accumulation_steps; use Trainer(accumulate_grad_batches=...) instead."
@@ -133,7 +157,8 @@ def build_deepspeed_config(
     config.setdefault("gradient_clipping", 0.0)
     if gradient_compression is not None:
         config["optimizer"] = {**user.get("optimizer", {}), "type": DS_COMPRESSION[gradient_compression]}
-    config.setdefault("train_micro_batch_size_per_gpu", micro_batch_size)
+    # DeepSpeed requires a batch size; Lightning's DataLoader feeds the engine, so it reaches only DeepSpeed's logs.
+    config["train_micro_batch_size_per_gpu"] = 1
     # Lightning's accumulate_grad_batches, so DeepSpeed knows where the accumulation boundary is.
     config["gradient_accumulation_steps"] = accumulate
     # A torch optimizer from configure_optimizers drives the sharded step; DeepSpeed's fused/CPU Adam

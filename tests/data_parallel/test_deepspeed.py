@@ -115,6 +115,12 @@ def test_user_config_is_merged() -> None:
         ({"zero_stage": 2, "deepspeed_config": {"bf16": {"enabled": True}}}, r"enables bf16; precision comes from the Trainer"),
         ({"zero_stage": 2, "deepspeed_config": {"gradient_accumulation_steps": 4}}, r"use Trainer\(accumulate_grad_batches=...\)"),
         ({"zero_stage": 2, "deepspeed_config": "/no/such/file.json"}, r"neither a dict nor an existing JSON file"),
+        # What Lightning's loop owns: a config scheduler held configure_optimizers' learning rate at 0 (WarmupLR), a
+        # config optimizer was ignored, and train_batch_size failed in DeepSpeed against a micro-batch it never had.
+        ({"deepspeed_config": {"scheduler": {"type": "WarmupLR", "params": {}}}}, r"scheduler section \('WarmupLR'\)"),
+        ({"deepspeed_config": {"optimizer": {"type": "AdamW"}}}, r"optimizer section \('AdamW'\); the optimizer is"),
+        ({"deepspeed_config": {"train_batch_size": 2}}, r"train_batch_size = 2; the batch size is the DataLoader's"),
+        ({"deepspeed_config": {"train_micro_batch_size_per_gpu": 2}}, r"Remove 'train_micro_batch_size_per_gpu'"),
         ({"tensor_parallel": 2}, r"tensor_parallel=2 and pipeline_parallel=1 need sharding_backend='fsdp2'"),
         ({"zero_stage": 3, "cpu_offload": True}, r"use offload_optimizer='cpu'"),
         ({"gradient_compression": "topk"}, r"gradient_compression='topk' is not available with sharding_backend='deepspeed'"),
@@ -123,6 +129,12 @@ def test_user_config_is_merged() -> None:
 def test_contradictions_and_unsupported_layouts_are_refused(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LLMParallelStrategy(**DS, **kwargs)
+
+
+def test_a_module_without_an_optimizer_is_refused_clearly() -> None:
+    # Lightning trains it (no step); DeepSpeed's ZeRO optimizer failed on it with an IndexError.
+    error = run_ranks(fit_error, 1, "gpt_without_optimizer", {**DS, "zero_stage": 2}, steps=1)[0]
+    assert error is not None and error.startswith("ValueError: sharding_backend='deepspeed' needs an optimizer"), error
 
 
 def test_options_of_the_other_backend_are_refused() -> None:
