@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import time
+import urllib.request
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -210,6 +213,7 @@ class ReplicaGroups:
             strategy.optimizers = [CommitOnQuorum(self.manager, opt, self._decided, env.lighthouse)
                                    for opt in strategy.optimizers]
             self._hold_step_schedulers(trainer.lightning_module)
+            self._hold_discarded_logs(trainer)
 
     def _hold_step_schedulers(self, module: pl.LightningModule) -> None:
         """Lightning steps a per-step LR scheduler after every optimizer step, also one the quorum discarded: it
@@ -224,13 +228,42 @@ class ReplicaGroups:
 
         self._hooks.enter_context(shadowed(module, "lr_scheduler_step", lr_scheduler_step))
 
+    def _hold_discarded_logs(self, trainer: pl.Trainer) -> None:
+        """A discarded step's metrics are not sent to the loggers: it trained nothing and is taken again."""
+        connector = trainer._logger_connector
+        update = connector.update_train_step_metrics
+
+        def update_train_step_metrics() -> None:
+            if not self._discarded:
+                update()
+
+        self._hooks.enter_context(shadowed(connector, "update_train_step_metrics", update_train_step_metrics))
+
     def on_train_start(self) -> None:
         """After a checkpoint is restored. torchft counts committed steps from zero, Lightning from the checkpoint's
         step; the quorum heals every group from the one at the highest step, and ``_decided`` makes a group's count
         Lightning's. So torchft's count starts at the checkpoint's: else a group started afresh beside a resumed
         one would not heal from it, and the resumed group's step count would start again at 1."""
+        if self.trainer.global_step == 0:
+            self._wait_for_groups()
         if self.diloco is None and self.trainer.global_step:
             self.manager.load_state_dict({"step": self.trainer.global_step, "batches_committed": 0})
+
+    def _wait_for_groups(self) -> None:
+        """A fresh start waits (at most the quorum timeout) until every group's manager heartbeats: a quorum holds
+        only groups the lighthouse has heard from, so a group that asked first trained alone, on its shard."""
+        if self.strategy.global_rank == 0:
+            timeout = getattr(self.manager, "_quorum_timeout", timedelta(minutes=30)).total_seconds()
+            start = said = time.monotonic()
+            while (seen := _heartbeating(self.env.lighthouse)) is not None and seen < self.env.num_groups:
+                if time.monotonic() - start > timeout:
+                    break
+                if time.monotonic() - said > 30:
+                    said = time.monotonic()
+                    print(f"Replica group {self.env.replica_id}: waiting up to {timeout:.0f} s (the quorum timeout) for"
+                          f" NUM_REPLICA_GROUPS={self.env.num_groups} groups; {seen} heartbeat.", flush=True)
+                time.sleep(0.2)
+        self.strategy.barrier("llmpar_replica_groups_start")
 
     # ------------------------------------------------------------------ data
 
@@ -287,13 +320,15 @@ class ReplicaGroups:
                 rank_zero_warn(
                     f"Replica group {self.env.replica_id} committed its first step with"
                     f" {self.manager.num_participants()} of NUM_REPLICA_GROUPS={self.env.num_groups} groups: the others"
-                    " had not asked the lighthouse yet, so it trains without them (on its shard only) until they join"
-                    " and heal from it. Start every group together: a quorum waits (--join-timeout-ms) only for groups"
-                    " whose manager already heartbeats."
+                    " had not started within the quorum timeout, so it trains without them (on its shard only) until"
+                    " they join and heal from it. Start every group's job within TORCHFT_QUORUM_TIMEOUT_SEC (the"
+                    " strategy's `timeout`) of the first."
                 )
         else:
             self.uncommitted_steps += 1
         self._discarded = not committed
+        # The loggers' step: Lightning logs this batch at it, then counts the batch (skipped: _hold_discarded_logs).
+        self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.manager.current_step() - 1
         progress = self.trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
         progress.ready = self.manager.current_step()
         progress.completed = self.manager.current_step() - 1  # Lightning adds the one it is taking
@@ -328,6 +363,16 @@ class ReplicaGroups:
         # the interpreter collects it at exit. Released here, while Python runs: its destructor joins those threads,
         # and a second fit in the same process does not keep the first one's.
         self._pg.shutdown()
+
+
+def _heartbeating(lighthouse: str) -> int | None:
+    """How many replica groups heartbeat at the lighthouse, from its status page (None where it cannot be read)."""
+    try:
+        with urllib.request.urlopen(f"{lighthouse.rstrip('/')}/status", timeout=5) as page:
+            found = re.search(r"\[(\d+) heartbeating\]", page.read().decode(errors="replace"))
+    except OSError:
+        return None
+    return int(found.group(1)) if found else None
 
 
 def _inner(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -7,6 +7,7 @@ the only channel back (steps, participants, committed counts, final weights).
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -82,6 +83,12 @@ class Groups:
 
 def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _logged_steps(out: Path, group: str, tag: str) -> list[int]:
+    """The steps at which the group's CSV logger recorded ``train_loss``."""
+    with (out / f"csv_{group}" / tag / "metrics.csv").open() as f:
+        return [int(r["step"]) for r in csv.DictReader(f) if r.get("train_loss")]
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -193,6 +200,10 @@ def test_killed_group_is_dropped_then_heals(tmp_path: Path, lighthouse: str, ran
     assert [r["step"] for r in healed] == list(range(joined, steps + 1))
     assert alone == list(range(kill_at + 1, joined)), survivor
     assert all(r["participants"] == 2 for r in survivor if r["step"] >= joined)
+    # What the loggers record follows the committed steps too: a discarded step is not logged, and the healed group
+    # logs from the step it joined at (it logged from 0, and the survivor's discarded step shifted every later row).
+    assert _logged_steps(tmp_path, "0", "run") == list(range(steps))
+    assert _logged_steps(tmp_path, "1", "restart") == list(range(joined - 1, steps))
     # The per-step LR schedule counts committed steps: a discarded step does not advance it (it ran one ahead).
     assert all(r["lr"] == pytest.approx(0.05 * lr_at(r["global_step"]), rel=1e-12) for r in survivor + healed)
     a, b = _weights(tmp_path / "0_run.pt"), _weights(tmp_path / "1_restart.pt")
@@ -201,16 +212,35 @@ def test_killed_group_is_dropped_then_heals(tmp_path: Path, lighthouse: str, ran
 
 
 def test_a_group_that_starts_alone_says_so(tmp_path: Path, lighthouse: str) -> None:
-    # The lighthouse waits only for groups whose manager heartbeats: a group started before the others commits its
-    # first steps alone (on its shard only), which was silent.
+    # A fresh group waits for the others at most the quorum timeout; one whose peers never start then commits its
+    # first steps alone (on its shard only), and says so.
     groups = Groups(tmp_path, lighthouse)
     try:
-        assert groups.wait(groups.start("0", "--steps", "2")) == 0, groups.logs()
+        assert groups.wait(groups.start("0", "--steps", "2", TORCHFT_QUORUM_TIMEOUT_SEC="3")) == 0, groups.logs()
     finally:
         groups.close()
     assert "committed its first step with 1 of NUM_REPLICA_GROUPS=2 groups" in groups.logs()
     rows = _rows(tmp_path / "0_run.jsonl")
     assert [r["participants"] for r in rows] == [1, 1]
+
+
+def test_groups_started_apart_wait_for_each_other(tmp_path: Path, lighthouse: str) -> None:
+    # The lighthouse holds a quorum only for groups whose manager heartbeats: a group that reached its first step
+    # before another had started trained alone until the late one healed from it (the docs' two-terminal recipe).
+    groups = Groups(tmp_path, lighthouse)
+    try:
+        g0 = groups.start("0", "--steps", "3")
+        deadline = time.monotonic() + TIMEOUT
+        while not (tmp_path / "starting_0_run").exists() and g0.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(3)  # group 0 is at its first step; group 1 has not started
+        g1 = groups.start("1", "--steps", "3")
+        assert [groups.wait(g0), groups.wait(g1)] == [0, 0], groups.logs()
+    finally:
+        groups.close()
+    assert "committed its first step with 1" not in groups.logs()
+    for group in "01":
+        assert [r["participants"] for r in _rows(tmp_path / f"{group}_run.jsonl")] == [2, 2, 2], groups.logs()
 
 
 def test_two_groups_match_one_process_on_a_tied_hf_llama_with_a_frozen_norm(tmp_path: Path, lighthouse: str) -> None:

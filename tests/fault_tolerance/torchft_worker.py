@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
@@ -40,7 +41,9 @@ class Regression(LightningModule):
 
     def training_step(self, batch: Any, idx: int) -> torch.Tensor:
         x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)  # what a logger records, at which step (the CSV of --csv)
+        return loss
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)  # momentum: healing must carry state
@@ -170,7 +173,8 @@ def main() -> None:
         callbacks.append(FaultTolerantCheckpoint(str(Path(args.out) / f"ckpt_{args.group}"), args.checkpoint_every))
     trainer = Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps, use_distributed_sampler=False,
-        callbacks=callbacks, logger=False, enable_checkpointing=bool(args.checkpoint_every), enable_progress_bar=False,
+        callbacks=callbacks, logger=CSVLogger(args.out, name=f"csv_{args.group}", version=args.tag),
+        log_every_n_steps=1, enable_checkpointing=bool(args.checkpoint_every), enable_progress_bar=False,
         enable_model_summary=False,
     )
     trainer.fit(MODELS[args.model](args.batch), ckpt_path="last" if args.resume else None)
