@@ -95,24 +95,25 @@ class CheckpointingStrategy(PreemptionHooks, AsyncSaveHooks, MeshStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        found = self.broadcast(_links_over_foreign_files(self.lightning_module.trainer) if self.is_global_zero else [])
+        found = self.broadcast(_last_over_foreign_files(self.lightning_module.trainer) if self.is_global_zero else [])
         if found:
+            how, path = found[0]
             raise ValueError(
-                f"ModelCheckpoint(save_last='link') would delete {found[0]}, which this library did not write, to put"
-                " a link in its place. Move it, give the callback another dirpath, or leave"
-                " enable_version_counter on (a free name is then taken)."
+                f"ModelCheckpoint(save_last={how!r}) would put its last checkpoint at {path}, which holds files this"
+                " library did not write (a link deletes them; a save is refused at the first one, after training)."
+                " Move them, give the callback another dirpath, or leave enable_version_counter on (a free name is"
+                " then taken)."
             )
 
 
-def _links_over_foreign_files(trainer: Any) -> list[str]:
-    """Where ModelCheckpoint(save_last="link") would put its ``last`` link over files this library did not write:
-    it deletes whatever the name holds (its own code, not through the strategy) when its version counter, which
-    would pick a free name, is off."""
+def _last_over_foreign_files(trainer: Any) -> list[tuple[Any, str]]:
+    """Where a ModelCheckpoint's ``last`` name holds files this library did not write, with its version counter
+    (which would pick a free name) off: save_last="link" deletes whatever the name holds (its own code, not
+    through the strategy); a save there is refused, but only at the first save, which may be hours in."""
     found = []
     for cb in trainer.checkpoint_callbacks:
-        linking = isinstance(cb, ModelCheckpoint) and cb.save_last == "link" and cb.save_top_k != 0
-        if linking and cb.dirpath and not cb._enable_version_counter:
+        if isinstance(cb, ModelCheckpoint) and cb.save_last and cb.dirpath and not cb._enable_version_counter:
             last = Path(cb.format_checkpoint_name({}, cb.CHECKPOINT_NAME_LAST))
             if not last.is_symlink() and foreign_files(last):
-                found.append(str(last))
+                found.append((cb.save_last, str(last)))
     return found

@@ -77,16 +77,19 @@ def test_save_checkpoint_onto_a_folder_with_user_files_is_refused(tmp_path: Path
     assert not any(p.name.startswith(".ckpt") for p in tmp_path.iterdir()), "a staging folder was left"
 
 
-def test_last_checkpoint_link_onto_a_users_folder_is_refused(tmp_path: Path) -> None:
-    # Lightning's save_last="link" deletes whatever `last.ckpt` holds to put its link there (version counter off).
+@pytest.mark.parametrize("save_last", ["link", True])
+def test_last_checkpoint_onto_a_users_folder_is_refused_before_training(tmp_path: Path, save_last: str | bool) -> None:
+    # Lightning's save_last="link" deletes whatever `last.ckpt` holds to put its link there (version counter off);
+    # save_last=True was refused only at its first save, after the steps before it had trained.
     before = _user_files(tmp_path / "last.ckpt")
-    link = {"dirpath": str(tmp_path), "save_last": "link", "enable_version_counter": False, "every_n_train_steps": 1}
-    out = run_ranks(train, 1, steps=2, model_checkpoint=link)[0]
+    last = {"dirpath": str(tmp_path), "save_last": save_last, "enable_version_counter": False, "every_n_train_steps": 1}
+    out = run_ranks(train, 1, steps=2, model_checkpoint=last)[0]
     assert out["error"] and out["error"].startswith("ValueError") and "last.ckpt" in out["error"], out["error"]
+    assert out["steps"] == [], "refused after training"
     assert {n: (tmp_path / "last.ckpt" / n).read_bytes() for n in before} == before
-    (tmp_path / "last.ckpt").rename(tmp_path / "mine")  # moved away, as the error says: the link is made
-    out = run_ranks(train, 1, steps=2, model_checkpoint=link)[0]
-    assert out["error"] is None and (tmp_path / "last.ckpt").is_symlink(), out["error"]
+    (tmp_path / "last.ckpt").rename(tmp_path / "mine")  # moved away, as the error says: the checkpoint is made
+    out = run_ranks(train, 1, steps=2, model_checkpoint=last)[0]
+    assert out["error"] is None and (tmp_path / "last.ckpt").is_symlink() == (save_last == "link"), out["error"]
 
 
 def test_save_checkpoint_twice_and_tilde_paths(tmp_path: Path) -> None:
