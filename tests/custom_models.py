@@ -262,4 +262,5 @@ class GPTMoE(ShiftedLM):
 CUSTOM = {"containers": Containers, "zipped": Zipped, "indexed": Indexed, "reuses_embedding": ReusesEmbedding, "unchained": Unchained,
           "passes_state": PassesState, "looped": Looped, "reads_embedding": ReadsEmbedding,
           "reads_gated_embedding": ReadsGatedEmbedding,
-          "gpt_moe": GPTMoE, "titan_tied": TitanLM, "titan_untied": TitanLM}
+          "gpt_moe": GPTMoE, "titan_tied": TitanLM, "titan_untied": TitanLM,
+          "titan_named": TitanLM, "titan_from1": TitanLM}

@@ -185,6 +185,17 @@ def test_litgpt_under_every_schedule(references: dict) -> None:
         assert_exact(references[name], [o[(name, repr(kwargs))] for o in outs])
 
 
+def test_module_dict_keys_other_than_positions_under_sequence_parallelism() -> None:
+    # Keys "blk_a".."blk_d" or "1".."4": the sequence was split at block "0" and gathered after block str(N-1), which
+    # named no block (a doubled sequence in attention, silently wrong where the rotary table followed it) or the third.
+    names = ["titan_named", "titan_from1"]
+    refs = run_ranks(fit_cases, 1, [(m, None, GLOBAL_BATCH) for m in names], timeout=900)[0]
+    cases = [(m, {"tensor_parallel": 2}, GLOBAL_BATCH) for m in names]
+    outs = run_ranks(fit_cases, 2, cases, timeout=900)
+    for name, kwargs, _ in cases:
+        assert_exact(refs[(name, "None")], [o[(name, repr(kwargs))] for o in outs])
+
+
 def test_module_dict_stack_under_every_schedule_context_parallelism_and_across_layouts(tmp_path: Any) -> None:
     # torchtitan's layout: blocks in an nn.ModuleDict walked by values(), the rotary table passed to every block. Each
     # pipeline stage keeps its blocks under their keys; ring attention cuts the sequence (per-rank batch 8: the cp

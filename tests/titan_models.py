@@ -32,6 +32,7 @@ class TransformerModelArgs:
     rope_theta: float = 10000.0
     max_seq_len: int = 32
     tied: bool = False
+    keys: tuple[str, ...] | None = None  # the ModuleDict's keys (torchtitan's: "0".."N-1")
 
 
 def precompute_freqs_cis(dim: int, end: int, theta: float) -> Tensor:
@@ -102,7 +103,8 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.register_buffer("freqs_cis", precompute_freqs_cis(args.dim // args.n_heads, args.max_seq_len,
                                                               args.rope_theta), persistent=False)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        keys = args.keys or [str(i) for i in range(args.n_layers)]
+        self.layers = nn.ModuleDict({key: TransformerBlock(args) for key in keys})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tied:
@@ -117,14 +119,16 @@ class Transformer(nn.Module):
 
 
 class TitanLM(LightningModule):
-    """``name`` ending in "_tied": the head shares the embedding's weight."""
+    """``name`` ending in "_tied": the head shares the embedding's weight; "titan_named" / "titan_from1": the
+    ModuleDict keyed by names ("blk_a".."blk_d") / from "1"."""
 
     batch_pairs = True  # the zoo's data as (inputs, shifted targets)
 
     def __init__(self, name: str = "titan", lr: float = 0.5, sgd: bool = True, **_: Any) -> None:
         super().__init__()
         self.lr, self.sgd = lr, sgd
-        self.model = Transformer(TransformerModelArgs(tied=name.endswith("_tied")))
+        keys = {"titan_named": tuple(f"blk_{c}" for c in "abcd"), "titan_from1": tuple("1234")}.get(name)
+        self.model = Transformer(TransformerModelArgs(tied=name.endswith("_tied"), keys=keys))
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         inputs, targets = batch

@@ -108,7 +108,9 @@ class _Planner(RegionPlanning, MoEPlanning, AttentionPlanning):
             # The sequence is sharded only inside the stack: embeddings and the head see the full sequence,
             # so models that derive positions or masks from the embedding's shape keep working. Under
             # pipeline parallelism only the ranks holding the first / last block do this.
-            first, last = _join(stack.prefix, "0"), _join(stack.prefix, str(stack.total - 1))
+            # By key, not position: a ModuleDict's keys need not be "0".."N-1" (nor start at "0").
+            keys = stack.keys()
+            first, last = _join(stack.prefix, keys[0]), _join(stack.prefix, keys[-1])
             if first in names:
                 self.styles.setdefault(first + "#in", PrepareFirstInput(Replicate(), TOKEN))
             if last in names:
