@@ -38,6 +38,8 @@ FULL: list[tuple[str, str]] = [
     ("tests/test_zoo.py::test_tied_weights_stay_tied_under_every_schedule_and_zero",
      "a tied model under all seven schedules (the schedules are fast in tests/pipeline)"),
     ("tests/test_zoo.py::test_litgpt_under_every_schedule", "LitGPT under all seven schedules"),
+    ("tests/test_zoo.py::test_module_dict_keys_other_than_positions_under_sequence_parallelism",
+     "ModuleDict keys other than positions at tp2 (the zoo's torchtitan-style cases are in this set too)"),
     ("tests/test_zoo.py::test_blocks_reading_values_from_before_the_stack_*", "Gemma 3n / Zamba2 on 2 and 4 ranks"),
     # torch.compile: inductor builds C++ for every case (~4 min in one launch); the CLI's compiled run,
     # test_replicate's compiled DDP case and test_regions' compiled regions stay fast.
