@@ -376,13 +376,23 @@ def test_llmpar_verify_passes_on_a_good_layout(tmp_path: Path) -> None:
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    args = ["verify", "--config", str(root / "examples/configs/single.yaml"), "--steps", "3", "--devices", "2",
-            "--trainer.strategy.tensor_parallel", "2", "--model.n_embd", "32", "--data.block_size", "16",
-            "--data.max_bytes", "20000"]
-    result = subprocess.run([sys.executable, "-m", "lightning_llmpar.cli", *args], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=600, env={**os.environ, "WANDB_MODE": "offline"})
+
+    def verify(*extra: str) -> subprocess.CompletedProcess:
+        args = ["verify", "--config", str(root / "examples/configs/single.yaml"), "--model.n_embd", "32",
+                "--data.block_size", "16", "--data.max_bytes", "20000", *extra]
+        return subprocess.run([sys.executable, "-m", "lightning_llmpar.cli", *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600, env={**os.environ, "WANDB_MODE": "offline"})
+
+    # --steps 0 trained the whole epoch twice and passed.
+    refused = verify("--steps", "0")
+    assert refused.returncode == 2 and "--steps must be at least 1, got 0" in refused.stderr, refused.stderr[-2000:]
+    # A registered strategy name is a layout too (it was refused); settings the check leaves out are named.
+    result = verify("--steps", "3", "--devices", "2", "--trainer.strategy", "llmpar_tp2",
+                    "--trainer.accumulate_grad_batches", "2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "PASS" in result.stdout and "first parameter whose gradient differs" not in result.stdout
+    assert "not applied from the config" in result.stdout and "trainer.accumulate_grad_batches=2" in result.stdout
+    assert "args parameter is intended" not in result.stderr  # LightningCLI saw verify's own arguments
 
 
 def test_a_missing_model_directory_is_named() -> None:
@@ -393,6 +403,8 @@ def test_a_missing_model_directory_is_named() -> None:
         HFCausalLM(model="/no/such/model")
     with pytest.raises(ValueError, match=r"model='./nope'"):
         HFCausalLM(model="./nope")
+    with pytest.raises(ValueError, match=r"model='examples/nope/model'"):  # two slashes: no Hub id
+        HFCausalLM(model="examples/nope/model")
 
 
 def test_parity_check_refuses_microbatches_that_do_not_divide_the_batch() -> None:

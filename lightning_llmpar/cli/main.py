@@ -195,7 +195,10 @@ def main(args: list[str] | None = None, run: bool = True) -> LLMParCLI:
 def verify(args: list[str]) -> int:
     """`llmpar verify --config my.yaml`: the parity self-check of a `llmpar fit` config (see lightning_llmpar.verify)."""
     import argparse
+    import sys
+    from unittest import mock
 
+    from lightning_llmpar.strategies.registry import PRESETS
     from lightning_llmpar.verify import verify_parity
 
     parser = argparse.ArgumentParser(prog="llmpar verify", description=verify.__doc__)
@@ -205,19 +208,38 @@ def verify(args: list[str]) -> int:
     parser.add_argument("--lr", type=float, default=1e-2, help="SGD learning rate of both runs")
     parser.add_argument("--devices", type=int, default=None, help="processes for the layout (default: the config's)")
     opts, overrides = parser.parse_known_args(args)
+    if opts.steps < 1:  # the batch count would never be reached: the whole epoch, twice
+        parser.error(f"--steps must be at least 1, got {opts.steps}")
     if opts.devices is not None:
         overrides += ["--trainer.devices", str(opts.devices)]
-    cli = main(["--config", opts.config, *overrides], run=False)
-    cfg = cli.config
+    # LightningCLI reads sys.argv too (and names it in its errors): make it this command's alone.
+    with mock.patch.object(sys, "argv", ["llmpar verify"]):
+        cfg = main(["--config", opts.config, *overrides], run=False).config
     strategy = cfg.trainer.strategy
-    if not (isinstance(strategy, dict) or hasattr(strategy, "init_args")):
-        raise ValueError("llmpar verify needs trainer.strategy: an LLMParallelStrategy with its init_args.")
+    if isinstance(strategy, str) and strategy in PRESETS:
+        layout = dict(PRESETS[strategy][1])
+    elif isinstance(strategy, dict) or hasattr(strategy, "init_args"):
+        layout = dict(strategy.init_args)
+    else:
+        parser.error(f"trainer.strategy is {strategy!r}: give an LLMParallelStrategy (class_path and init_args) or a"
+                     f" registered name ({', '.join(PRESETS)})")
+    skipped = _not_verified(cfg.trainer)
+    if skipped:
+        print(f"llmpar verify: not applied from the config (both runs are fp32, SGD, no callbacks): {skipped}")
     report = verify_parity(
-        cfg.model.class_path, cfg.data.class_path, dict(strategy.init_args), int(cfg.trainer.devices),
+        cfg.model.class_path, cfg.data.class_path, layout, int(cfg.trainer.devices),
         model_kwargs=dict(cfg.model.init_args), data_kwargs=dict(cfg.data.init_args), steps=opts.steps,
         tolerance=opts.tolerance, lr=opts.lr, accelerator=str(cfg.trainer.accelerator or "cpu"),
     )
     return 0 if report.passed else 1
+
+
+def _not_verified(trainer: Any) -> str:
+    """The trainer settings of a fit config that the parity check leaves out, as `key=value` pairs."""
+    defaults = {"precision": (None, "32-true", "32", 32), "plugins": (None, []), "callbacks": (None, []),
+                "accumulate_grad_batches": (1,), "gradient_clip_val": (None, 0, 0.0), "num_nodes": (1,)}
+    return ", ".join(f"trainer.{key}={trainer.get(key)!r}" for key, plain in defaults.items()
+                     if trainer.get(key) not in plain)
 
 
 def console() -> None:

@@ -12,11 +12,14 @@ __all__ = ["StepRichProgressBar", "StepTQDMProgressBar", "step_progress_bar"]
 
 
 def _steps_left(bar: Any, total: int | float) -> int | float:
+    """The epoch's batches the run reaches: the bar counts batches of the epoch, so after a mid-epoch resume those
+    already done count too (the bar read "30/9" for 10 steps left at batch 20)."""
     trainer = bar.trainer
     if trainer.max_steps is None or trainer.max_steps < 0:
         return total
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
     left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
-    return min(total, max(left, 0))
+    return min(total, done + max(left, 0))
 
 
 class StepTQDMProgressBar(TQDMProgressBar):

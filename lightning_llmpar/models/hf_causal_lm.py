@@ -43,7 +43,8 @@ class HFCausalLM(FineTuneModule):
         attn_implementation: str = "sdpa",
     ) -> None:
         super().__init__()
-        if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().is_dir():
+        path_like = model.startswith(("/", "./", "../", "~")) or model.count("/") > 1  # a Hub id has at most one
+        if path_like and not Path(model).expanduser().is_dir():
             # transformers takes a missing path for a Hub id and says the id is malformed
             raise ValueError(f"HFCausalLM(model={model!r}): no directory by that name (relative paths are read from"
                              f" {Path.cwd()}). Give the directory that holds the model's config.json.")

@@ -204,7 +204,8 @@ def model_spec(source: str | Path | dict[str, Any]) -> ModelSpec:
             )
         return _example_gpt(dict(args))
     raise ValueError(
-        f"model {str(source)!r}: not a Hugging Face config directory, a config.json or a llmpar fit YAML"
+        f"model {str(source)!r}: not a Hugging Face config directory, a config.json, a LitGPT checkpoint directory"
+        " (or its model_config.yaml) or a llmpar fit YAML"
         " (nothing by that name exists)." if not path.exists() else f"model {str(source)!r}: unknown kind of file."
     )
 

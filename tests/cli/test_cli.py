@@ -208,6 +208,10 @@ def test_progress_bar_counts_steps_of_a_step_bounded_run() -> None:
     bar._trainer = trainer
     trainer.fit_loop.max_batches = 1000  # an epoch far longer than the run
     assert bar.total_train_batches == 7
+    # Resumed at batch 5 of the epoch with 2 steps left: the bar counts the epoch's batches (it read "5/2").
+    trainer.fit_loop.epoch_loop.batch_progress.current.completed = 5
+    trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed = 5
+    assert trainer.global_step == 5 and bar.total_train_batches == 7
     rich = StepRichProgressBar()
     rich._trainer = trainer
     assert rich._get_train_description(0).strip() == "Epoch 0"  # not "Epoch 0/-2"
