@@ -181,8 +181,11 @@ FULL: list[tuple[str, str]] = [
     ("tests/fault_tolerance/test_torchft.py::test_a_group_restarted_into_running_diloco_is_refused*",
      "a group restarted into a running DiLoCo job, refused (killed groups heal in the fast set)"),
     ("tests/cli/test_cli.py::test_cli_logs_the_loss_one_process_logs*",
-     "the logged loss through llmpar fit at cp2, pp2 and dp2 against one process (every layout is fast in"
-     " test_logged_loss; the fast resume test compares llmpar fit's logged losses at dp2)"),
+     "the logged loss through llmpar fit at cp2 against one process (every layout is fast in test_logged_loss;"
+     " the fast resume test compares llmpar fit's logged losses at dp2)"),
+    ("tests/fault_tolerance/test_torchft.py::test_groups_started_apart_wait_for_each_other",
+     "a second group started after the first reached its first step (the fast heal test's restarted group passes"
+     " the same wait, finding the other heartbeating)"),
 ]
 
 

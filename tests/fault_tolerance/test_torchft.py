@@ -164,7 +164,7 @@ def test_two_groups_without_failures_match_one_process(tmp_path: Path, lighthous
 
 @pytest.mark.parametrize(
     ("ranks", "zero", "victims"),
-    [pytest.param(1, 0, "all", id="1rank"), pytest.param(2, 3, "all", id="2ranks-zero3"),
+    [pytest.param(1, 0, "all", id="1rank"),
      # One rank of a two-rank group dies: torchrun stops its peer, and the group is dropped and heals as a whole.
      pytest.param(2, 3, "one", id="one-of-2ranks-zero3")],
 )
