@@ -243,8 +243,7 @@ def one_process_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 def test_cli_logs_the_loss_one_process_logs(tmp_path: Path, layout: tuple[str, str], one_process_losses: list[float]) -> None:
     # The example logs self.log("train/loss", loss, prog_bar=True) without sync_dist: under context parallelism that
     # was rank 0's part of every sequence (3e-2 off); now what the CSV (and the bar) shows is one process's loss.
-    # Every layout's logged loss is compared in process in test_logged_loss (pp2 and dp2 through the command too:
-    # test_quiet_run's pipeline run, the resume tests' dp2 logs).
+    # Every layout's logged loss is compared with one process's in process in test_logged_loss.
     one = one_process_losses
     two = _logged_losses(tmp_path, "two", "--trainer.devices", "2", *layout)
     assert len(one) == len(two) == 6, (one, two)
