@@ -115,7 +115,7 @@ def test_user_config_is_merged() -> None:
         ({"zero_stage": 2, "deepspeed_config": {"bf16": {"enabled": True}}}, r"enables bf16; precision comes from the Trainer"),
         ({"zero_stage": 2, "deepspeed_config": {"gradient_accumulation_steps": 4}}, r"use Trainer\(accumulate_grad_batches=...\)"),
         ({"zero_stage": 2, "deepspeed_config": "/no/such/file.json"}, r"neither a dict nor an existing JSON file"),
-        # What Lightning's loop owns: a config scheduler held configure_optimizers' learning rate at 0 (WarmupLR), a
+        # What Lightning's loop owns: a config scheduler took over configure_optimizers' learning rate (WarmupLR), a
         # config optimizer was ignored, and train_batch_size failed in DeepSpeed against a micro-batch it never had.
         ({"deepspeed_config": {"scheduler": {"type": "WarmupLR", "params": {}}}}, r"scheduler section \('WarmupLR'\)"),
         ({"deepspeed_config": {"optimizer": {"type": "AdamW"}}}, r"optimizer section \('AdamW'\); the optimizer is"),
