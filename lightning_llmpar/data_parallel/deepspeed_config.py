@@ -43,8 +43,8 @@ def _agree(user: dict[str, Any], key: str, ours: Any, what: str, fix: str) -> No
 
 def _refuse_loop_sections(user: dict[str, Any], gradient_compression: str | None) -> None:
     """Sections for what Lightning's loop owns here. The engine would run them beside the loop: a config's
-    scheduler steps the learning rate of configure_optimizers' optimizer (WarmupLR: no update in two steps, then 0.03 for 0.1), and its
-    optimizer is ignored for the one configure_optimizers returns."""
+    scheduler steps the learning rate of configure_optimizers' optimizer (WarmupLR: no update in two steps, then
+    0.03 for 0.1), and its optimizer is ignored for the one configure_optimizers returns."""
     if "scheduler" in user:
         raise ValueError(
             f"The DeepSpeed config has a scheduler section ({user['scheduler'].get('type')!r}); the learning-rate"
