@@ -42,9 +42,10 @@ def _agree(user: dict[str, Any], key: str, ours: Any, what: str, fix: str) -> No
 
 
 def _refuse_loop_sections(user: dict[str, Any], gradient_compression: str | None) -> None:
-    """Sections for what Lightning's loop owns here. The engine would run them beside the loop: a config's
-    scheduler steps the learning rate of configure_optimizers' optimizer (WarmupLR: no update in two steps, then
-    0.03 for 0.1), and its optimizer is ignored for the one configure_optimizers returns."""
+    """Sections for what Lightning's loop owns here (schedule, optimizer, batch size, accumulation). The engine
+    would run them beside the loop: a config's scheduler steps the learning rate of configure_optimizers'
+    optimizer (WarmupLR: no update in two steps, then 0.03 for 0.1), and its optimizer is ignored for the one
+    configure_optimizers returns."""
     if "scheduler" in user:
         raise ValueError(
             f"The DeepSpeed config has a scheduler section ({user['scheduler'].get('type')!r}); the learning-rate"
@@ -63,6 +64,10 @@ def _refuse_loop_sections(user: dict[str, Any], gradient_compression: str | None
                 f"The DeepSpeed config sets {key} = {user[key]!r}; the batch size is the DataLoader's and"
                 f" accumulation the Trainer's (accumulate_grad_batches). Remove {key!r} from the config."
             )
+    if "gradient_accumulation_steps" in user and user["gradient_accumulation_steps"] != 1:
+        raise ValueError(
+            "The DeepSpeed config sets gradient_accumulation_steps; use Trainer(accumulate_grad_batches=...) instead."
+        )
 
 
 def deepspeed_precision(plugin: Any) -> dict[str, Any]:
@@ -146,10 +151,6 @@ def build_deepspeed_config(
             )
     config.update(precision or {})
     _refuse_loop_sections(user, gradient_compression)
-    if "gradient_accumulation_steps" in user and user["gradient_accumulation_steps"] != 1:
-        raise ValueError(
-            "The DeepSpeed config sets gradient_accumulation_steps; use Trainer(accumulate_grad_batches=...) instead."
-        )
     if gradient_clipping is not None:
         _agree(user, "gradient_clipping", gradient_clipping, "gradient_clipping", "Use one value (Trainer gradient_clip_val).")
         config["gradient_clipping"] = gradient_clipping
