@@ -34,6 +34,7 @@ from lightning_llmpar.strategies.options import StrategyOptions
 from lightning_llmpar.tensor_parallel.grads import reduce_partial_grads
 from lightning_llmpar.training.clip import clip_grad_norm_
 from lightning_llmpar.training.optimizer import apply_optimizer_kernels, keep_kernels
+from lightning_llmpar.training.sync_groups import log_group
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -259,9 +260,10 @@ class FSDP2Backend(ShardingBackend):
             s.lightning_module.log("cp/bytes_sent", float(sent), on_step=True, on_epoch=False, sync_dist=False)
         experts = composed.parallelized.expert_parallel
         if experts is not None and s.lightning_module is not None:
-            # Summed over every rank (tensor-parallel ranks route the same tokens), so identical everywhere.
+            # Summed over every rank (tensor-parallel ranks route the same tokens; context-parallel ones each route
+            # their part of the sequence), so identical everywhere.
             layout = self.ctx.layout
-            for name, value in experts.step_metrics(self.ctx.dp_mesh.get_group(), layout.tp * layout.cp).items():
+            for name, value in experts.step_metrics(log_group(layout, self.ctx.mesh), layout.tp).items():
                 s.lightning_module.log(name, value, on_step=True, on_epoch=False, sync_dist=False)
         return output
 

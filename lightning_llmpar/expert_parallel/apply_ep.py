@@ -145,22 +145,22 @@ class ExpertParallel:
         # Rows leaving this rank: dispatch and combine forward, the same again in backward.
         self.bytes_sent += 4 * remote * hidden.shape[-1] * hidden.element_size()
 
-    def step_metrics(self, dp_group: dist.ProcessGroup | None, replicas: int) -> dict[str, float]:
+    def step_metrics(self, data_group: dist.ProcessGroup | None, replicas: int) -> dict[str, float]:
         """This step's routing over all ranks, then reset: tokens per expert (summed over layers), the worst
-        layer's imbalance (max / mean), dropped assignments, this rank's bytes sent. ``dp_group``: the ranks that
-        hold the same layers and route different tokens; ``replicas``: ranks that route the same tokens."""
+        layer's imbalance (max / mean), dropped assignments, this rank's bytes sent. ``data_group``: the ranks that
+        hold the same layers and route different tokens (data- and context-parallel ranks; None: every process);
+        ``replicas``: ranks that route the same tokens (tensor-parallel ones)."""
         layers = torch.stack([self.counts[n] for n in sorted(self.counts)]).double() if self.counts else None
         if layers is None:  # this rank's layers routed nothing (no MoE layer on its pipeline stage)
             layers = torch.zeros(1, self.num_experts, dtype=torch.float64)
         dropped = torch.tensor([float(self.dropped)], dtype=torch.float64)
-        if dp_group is not None:
-            dist.all_reduce(layers, group=dp_group)
+        if dist.is_initialized():
+            dist.all_reduce(layers, group=data_group)
         imbalance = (layers.max(1).values / layers.mean(1).clamp(min=1)).max().reshape(1)
         totals = torch.cat([layers.sum(0), dropped])
         if dist.is_initialized():
             # Pipeline stages hold different layers: the totals add up over the whole world.
-            if dp_group is not None:
-                totals[:-1] /= dist.get_world_size(dp_group)  # every dp rank now holds the group's sum
+            totals[:-1] /= dist.get_world_size(data_group)  # every rank of the group now holds the group's sum
             dist.all_reduce(totals)
             dist.all_reduce(imbalance, op=dist.ReduceOp.MAX)
         totals /= replicas
