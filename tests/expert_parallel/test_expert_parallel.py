@@ -34,6 +34,8 @@ CASES: dict[int, list[tuple]] = {
         ("gpt_moe", dict(EP2, expert_capacity_factor=4.0), 4, {"tag": "ep2_capacity"}),
         ("gpt_moe", dict(EP2, expert_capacity_factor=0.5), 4, {"tag": "ep2_drops", "reference": False}),
         ("gpt_moe", {"expert_capacity_factor": 4.0}, 4, {"tag": "ep1_capacity"}),  # the cut without the split
+        # each context-parallel rank routes its part of every sequence: the metrics count both parts
+        ("mixtral", {"expert_capacity_factor": 4.0, "context_parallel": 2}, 8, {"tag": "cp2_capacity"}),
         ("qwen2_moe", EP2, 4, {"tag": "ep2"}),  # a shared expert beside the routed ones
         ("gpt_oss", EP2, 4, {"tag": "ep2"}),  # experts (E, in, out) with biases, interleaved gate/up columns
         # recomputation in backward routes the tokens again (the same way)
@@ -50,6 +52,9 @@ CASES: dict[int, list[tuple]] = {
         ("gpt_oss", dict(EP2, tensor_parallel=2), 4, {"tag": "ep2_tp2"}),  # the down bias: its 1/tp share per rank
         ("qwen3_moe", dict(EP2, zero_stage=3), 2, {"tag": "ep2_dp4_zero3"}),  # experts sharded over the other 2
         ("gpt_moe", dict(EP2, pipeline_parallel=2), 4, {"tag": "ep2_pp2"}),
+        # one stage per rank, accumulating: the experts' own FSDP units keep the first micro-step's gradients too
+        ("gpt_moe", dict(EP2, pipeline_parallel=2, pipeline_schedule="1F1B"), 4,
+         {"tag": "ep2_pp2_1f1b_accumulate", "accumulate": 2}),
     ],
     8: [("mixtral", dict(EP2, tensor_parallel=2, pipeline_parallel=2, zero_stage=2), 4, {"tag": "ep2_tp2_pp2_zero2"})],
 }
@@ -61,7 +66,7 @@ def _options(world: int, name: str, tag: str) -> dict[str, Any]:
 
 
 # What the one-process reference shares with a case: the model, its data and how it trains (not the layout).
-_DATA = ("padded", "frozen")
+_DATA = ("padded", "frozen", "accumulate")
 
 
 def _reference_key(name: str, options: dict[str, Any]) -> str:
@@ -101,6 +106,10 @@ def test_expert_parallel_is_exact(world: int, name: str, tag: str) -> None:
         assert all(o["held"] < 0.9 for o in outs), [o["held"] for o in outs]
 
 
+def _routing(run: dict[str, Any]) -> list[dict[str, float]]:
+    return [{k: v for k, v in m.items() if k.startswith("moe/")} for m in run["metrics"]]
+
+
 def test_routing_metrics_count_every_assignment() -> None:
     outs = [r[("gpt_moe", "ep2")] for r in results(2)]
     per_step = 8 * SEQ * 2 * 4  # tokens x top-2 x 4 MoE layers
@@ -109,11 +118,11 @@ def test_routing_metrics_count_every_assignment() -> None:
             assert sum(v for k, v in metrics.items() if k.startswith("moe/expert_")) == per_step
             assert metrics["moe/dropped_tokens"] == 0 and metrics["moe/imbalance"] >= 1
             assert metrics["ep/bytes_sent"] > 0
-    routed = [{k: v for k, v in m.items() if k.startswith("moe/")} for m in outs[0]["metrics"]]
-    assert routed == [{k: v for k, v in m.items() if k.startswith("moe/")} for m in outs[1]["metrics"]]  # all ranks
+    assert _routing(outs[0]) == _routing(outs[1])  # all ranks
     # Activation checkpointing's recomputation routes again in backward; it is not counted twice.
-    recomputed = results(2)[0][("gpt_moe", "ep2_checkpointing")]["metrics"]
-    assert [{k: v for k, v in m.items() if k.startswith("moe/")} for m in recomputed] == routed
+    assert _routing(results(2)[0][("gpt_moe", "ep2_checkpointing")]) == _routing(outs[0])
+    # Context-parallel ranks each route their part of the sequences: the counts are the whole batch's (were halved).
+    assert _routing(results(2)[0][("mixtral", "cp2_capacity")]) == _routing(results(2)[0][("mixtral", "ep2")])
 
 
 def test_capacity_drops_tokens_and_says_so() -> None:
