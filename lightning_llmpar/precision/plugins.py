@@ -114,6 +114,8 @@ class BF16Precision(_MeshPrecision, MixedPrecision):
         if mode not in ("mixed", "true"):
             raise ValueError(f"BF16Precision(mode={mode!r}): mode must be 'mixed' or 'true'.")
         super().__init__("bf16-mixed", _default_device() if device == "auto" else device)
+        # What Lightning reads as the run's precision (trainer.precision, the model summary's bytes per parameter).
+        self.precision = "bf16-true" if mode == "true" else "bf16-mixed"
         self.mode = mode
         self.reduce_dtype = _dtype("reduce_dtype", reduce_dtype)
         self.needs_sharding_wrapper = mode == "true"
@@ -121,6 +123,10 @@ class BF16Precision(_MeshPrecision, MixedPrecision):
 
     def mp_policy(self) -> MixedPrecisionPolicy:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=self.reduce_dtype)
+
+    def autocast_context_manager(self) -> torch.autocast:
+        # Lightning's picks fp16 for any precision string but "bf16-mixed".
+        return torch.autocast(self.device, dtype=torch.bfloat16, cache_enabled=False)
 
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:

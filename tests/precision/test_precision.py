@@ -103,6 +103,21 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(kwargs: dict[str, A
                 torch.testing.assert_close(out["params"][name], param, atol=0, rtol=0)
 
 
+def test_lightning_reads_the_precision_the_run_trains_in() -> None:
+    # trainer.precision read "bf16-mixed" for a bf16-true run (and so did loggers' hyperparameters).
+    from lightning.pytorch import Trainer
+
+    from lightning_llmpar import LLMParallelStrategy
+
+    for flag in ("bf16-true", "bf16-mixed", "32-true"):
+        trainer = Trainer(strategy=LLMParallelStrategy(), precision=flag, devices=1, accelerator="cpu", logger=False,
+                          enable_checkpointing=False)
+        assert trainer.precision == flag
+    assert BF16Precision(mode="true").precision == "bf16-true"
+    with BF16Precision(mode="true", device="cpu").autocast_context_manager():  # still bf16 if asked for
+        assert torch.ones(2, 2).mm(torch.ones(2, 2)).dtype == torch.bfloat16
+
+
 def test_fp8_candidates_respect_shape_and_first_last() -> None:
     model = make_gpt()  # 4 blocks, width 32, vocab 64
     names = fp8_candidates(model)
