@@ -19,7 +19,7 @@ calls the two.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_llmpar.activation_checkpointing.policy import ActivationCheckpointing
+from lightning_llmpar.activation_checkpointing.policy import ActivationCheckpointing, CheckpointPlan
 from lightning_llmpar.checkpointing.hf_checkpoint import load_hf_checkpoint
 from lightning_llmpar.checkpointing.litgpt_checkpoint import load_litgpt_checkpoint
 from lightning_llmpar.context_parallel import ContextParallel, apply_context_parallel
@@ -80,6 +80,7 @@ class Composed:
     padded_mean: PaddedMeanWarning | None = None
     same_batch: SameBatchCheck | None = None
     hf_documents: bool = False  # transformers models whose forwards mask packed documents (training.documents)
+    checkpointing: CheckpointPlan | None = None  # the activation checkpointing applied (None: none)
 
     def see_batch(self, batch: Any) -> None:
         """A training batch, before its step: the same on every rank of the replica (the first ones compared), its
@@ -114,13 +115,32 @@ def parallel_config(options: StrategyOptions, precision: Precision) -> ParallelC
     )
 
 
-def composed_before(module: nn.Module, layout: ParallelLayout) -> Composed | None:
-    """What an earlier ``compose`` made of ``module`` (fit, then validate/test/predict on the same module)."""
+def _checkpoint_plan(ctx: SetupContext) -> CheckpointPlan | None:
+    plan = ctx.checkpointing.plan if ctx.checkpointing is not None else None
+    return plan if plan is not None and plan.mode != "none" else None
+
+
+def composed_before(module: nn.Module, ctx: SetupContext, fitting: bool) -> Composed | None:
+    """What an earlier ``compose`` made of ``module`` (fit, then validate/test/predict on the same module, or fit
+    again). A module is parallelized once: a run that asks for other settings is refused, not given the old ones
+    (activation checkpointing only when it fits: evaluation runs no backward)."""
     done: Composed | None = getattr(module, _DONE, None)
-    if done is not None and done.layout != layout:
+    if done is None:
+        return None
+    if done.layout != ctx.layout:
         raise ValueError(
             f"This LightningModule was already parallelized as {done.layout}; it cannot be re-parallelized as"
-            f" {layout}. Build a new module, or load a checkpoint into a fresh one."
+            f" {ctx.layout}. Build a new module, or load a checkpoint into a fresh one."
+        )
+    asked = parallel_config(ctx.options, ctx.precision)
+    changed = [f"{f.name}={getattr(done.config, f.name)!r} (this run: {getattr(asked, f.name)!r})"
+               for f in fields(asked) if getattr(asked, f.name) != getattr(done.config, f.name)]
+    if fitting and _checkpoint_plan(ctx) != done.checkpointing:
+        changed.append(f"activation checkpointing {done.checkpointing} (this run: {_checkpoint_plan(ctx)})")
+    if changed:
+        raise ValueError(
+            f"This LightningModule was already parallelized with {'; '.join(changed)}. A module is parallelized"
+            " once: build a new module for other settings, or load a checkpoint into a fresh one."
         )
     return done
 
@@ -133,7 +153,8 @@ def compose(module: nn.Module, ctx: SetupContext) -> Composed:
     hf_documents = apply_document_masking(module) > 0  # packed documents in transformers models (training.documents)
     if hasattr(ctx.precision, "convert_before_parallelism"):
         ctx.precision.convert_before_parallelism(module)
-    done = Composed(layout, parallel_config(options, ctx.precision), hf_documents=hf_documents)
+    done = Composed(layout, parallel_config(options, ctx.precision), hf_documents=hf_documents,
+                    checkpointing=_checkpoint_plan(ctx))
     if options.count_tokens is not None:
         # Context-parallel ranks count the same whole batch (each weighs its own part, see context_parallel).
         done.tokens = TokenNormalizer(options.count_tokens, layout.tp * layout.cp, layout.dp, ctx.device)

@@ -118,6 +118,33 @@ def test_manual_optimization_under_pipeline_is_refused() -> None:
         run_ranks(_fit_manual, 2)
 
 
+def _fit_again(settings: list[tuple[str, dict[str, Any], bool]]) -> list[str | None]:
+    """One module through several runs ((what, strategy kwargs, activation checkpointing)): each run's error."""
+    from lightning_llmpar import ActivationCheckpointing
+
+    module, errors = make_gpt(), []
+    for what, kwargs, checkpointing in settings:
+        trainer = Trainer(accelerator="cpu", devices=1, strategy=LLMParallelStrategy(**kwargs), max_steps=1,
+                          limit_val_batches=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                          callbacks=[ActivationCheckpointing("full")] if checkpointing else None)
+        try:
+            getattr(trainer, what)(module, datamodule=TokenData(4))
+            errors.append(None)
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_a_module_parallelized_once_refuses_other_settings_later() -> None:
+    # A second fit took the first one's compile and checkpointing silently (blocks neither compiled nor wrapped).
+    runs = [("fit", {}, False), ("validate", {}, True), ("fit", {"compile": True}, False), ("fit", {}, True),
+            ("fit", {}, False)]
+    first, validated, compiled, checkpointed, again = run_ranks(_fit_again, 1, runs)[0]
+    assert first is None and validated is None and again is None  # evaluation runs no backward: no checkpointing
+    assert "compile=False (this run: True)" in compiled and "build a new module" in compiled
+    assert "activation checkpointing None (this run: CheckpointPlan(mode='full'" in checkpointed
+
+
 class _ForeachGPT(GPTModule):
     def __init__(self) -> None:
         super().__init__(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -244,7 +245,8 @@ class LLMParallelStrategy(CheckpointingStrategy):
         module = self.lightning_module
         self._forward_redirection = ManualBackwardRedirection()  # manual optimization on DDP (see data_parallel.replicate)
         if self._backend.composes:
-            self._composed = composed_before(module, self.layout) or compose(module, self._setup_context(trainer))
+            ctx, fitting = self._setup_context(trainer), trainer.state.fn == TrainerFn.FITTING
+            self._composed = composed_before(module, ctx, fitting) or compose(module, self._with_split_check(ctx, trainer))
         assert self._dp_mesh is not None
         self._backend.setup(trainer, BackendContext(self.layout, self.device_mesh, self._dp_mesh, self.options, self._composed))
         if self.options.fault_tolerance == "torchft":
@@ -253,15 +255,14 @@ class LLMParallelStrategy(CheckpointingStrategy):
 
     def _setup_context(self, trainer: pl.Trainer) -> SetupContext:
         checkpointing = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)
-        return SetupContext(
-            self.layout, self.device_mesh, self.options, self.root_device, self.precision_plugin, checkpointing,
-            self._split_check(trainer),
-        )
+        return SetupContext(self.layout, self.device_mesh, self.options, self.root_device, self.precision_plugin,
+                            checkpointing)
 
-    def _split_check(self, trainer: pl.Trainer) -> Callable[[], Any] | None:
+    def _with_split_check(self, ctx: SetupContext, trainer: pl.Trainer) -> SetupContext:
+        # Only for a module composed now: the check reads the first training batch.
         if self.layout.pp == 1 or not self.options.pipeline_check or trainer.state.fn != TrainerFn.FITTING:
-            return None
-        return step_on_one_sample(trainer, self)
+            return ctx
+        return dataclasses.replace(ctx, split_check=step_on_one_sample(trainer, self))
 
     @property
     def loss_parallel_heads(self) -> LossParallel | None:
