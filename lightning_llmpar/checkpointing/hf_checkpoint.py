@@ -205,6 +205,7 @@ def fill_from_files(
                 continue  # a buffer the checkpoint does not store keeps its initialized value
             problems.append(f"tensor '{key}' (parameter '{name}', shape {tuple(tensor.shape)}) is missing")
             continue
+        needed.update(source.keys())  # even if unfit below: it belongs to a parameter, whatever its problem
         try:
             shape = source_shape(files, source)
         except Exception as err:  # noqa: BLE001 - an unreadable tensor, agreed on below like any other problem
@@ -213,7 +214,6 @@ def fill_from_files(
         if shape != tuple(tensor.shape):
             problems.append(f"tensor '{key}' has shape {shape} in the checkpoint but {tuple(tensor.shape)} in the model")
             continue
-        needed.update(source.keys())
         plan.append((tensor, source, packings.get(name)))
     problems += _unexpected(files, needed, ignore)
     problems = _agree(problems)

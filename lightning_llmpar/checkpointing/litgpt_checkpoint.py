@@ -19,8 +19,10 @@ from lightning_llmpar.modeling.packing import Packing
 
 __all__ = ["check_litgpt_directory", "load_litgpt_checkpoint"]
 
-_CONFIG_FIELDS = ("n_layer", "n_embd", "n_head", "n_query_groups", "head_size", "padded_vocab_size", "intermediate_size",
-                  "n_expert", "bias", "norm_qk")
+# Every field of LitGPT's Config changes what the model computes (rope base, norm eps, softcapping, sliding window,
+# experts per token...), except these: names, the context length the rope cache is built for, the vocabulary size
+# before padding (the padded one is compared).
+_IGNORED_FIELDS = ("name", "hf_config", "block_size", "vocab_size", "padding_multiple")
 
 
 def check_litgpt_directory(directory: str | Path) -> Path:
@@ -66,6 +68,18 @@ def _litgpt_model(module: nn.Module) -> tuple[str, nn.Module]:
     return found[0]
 
 
+def _same(yaml_value: Any, value: Any) -> bool:
+    """A value read from YAML against the config's: tuples come back as lists, and YAML 1.1 reads "1e-5" as text."""
+    if isinstance(value, tuple | list) and isinstance(yaml_value, list):
+        return len(value) == len(yaml_value) and all(map(_same, yaml_value, value))
+    if isinstance(value, float) and isinstance(yaml_value, str | int):
+        try:
+            return float(yaml_value) == value
+        except ValueError:
+            return False
+    return yaml_value == value
+
+
 @torch.no_grad()
 def load_litgpt_checkpoint(
     module: nn.Module, directory: str | Path, packings: dict[str, Packing] | None = None, aliases: dict[str, str] | None = None
@@ -80,8 +94,8 @@ def load_litgpt_checkpoint(
         check_litgpt_directory(directory)
         theirs: dict[str, Any] = yaml.safe_load((path / "model_config.yaml").read_text()) or {}
         ours = vars(model.config)
-        problems = [f"model_config.yaml has {f}={theirs[f]!r} but the model has {ours[f]!r}" for f in _CONFIG_FIELDS
-                    if f in theirs and f in ours and theirs[f] != ours[f]]
+        problems = [f"model_config.yaml has {f}={theirs[f]!r} but the model has {ours[f]!r}" for f in ours
+                    if f in theirs and f not in _IGNORED_FIELDS and not _same(theirs[f], ours[f])]
     except Exception as err:  # noqa: BLE001 - agreed on below
         problems = [str(err) if isinstance(err, ValueError) else f"model_config.yaml: {type(err).__name__}: {err}"]
     # LitGPT's rotary caches are buffers computed from the config, not stored.

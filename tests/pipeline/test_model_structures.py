@@ -7,10 +7,12 @@ All cases of one world size run inside one launch of the ranks; each one-process
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.distributed import run_ranks
 from tests.zoo import assert_exact, fit_cases, save_litgpt
@@ -63,6 +65,13 @@ def litgpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
         return None
     out = tmp_path_factory.mktemp("litgpt") / "ckpt"
     save_litgpt("litgpt_qwen3", str(out))
+    # The same weights with another rotary base, its norm_eps written as YAML 1.1 reads it (text): only the base
+    # differs from the model's (it was loaded without a word; only shapes were compared).
+    other = out.parent / "other_rope"
+    shutil.copytree(out, other)
+    config = yaml.safe_load((other / "model_config.yaml").read_text())
+    config.update(rope_base=12345, norm_eps=f"{config['norm_eps']:.0e}")
+    (other / "model_config.yaml").write_text(yaml.safe_dump(config))
     return out
 
 
@@ -76,6 +85,8 @@ def runs(litgpt_dir: Path | None) -> tuple[dict, dict]:
         refs.append(("litgpt_qwen3", None, BATCH, {"litgpt_pretrained": str(litgpt_dir), "tag": "ckpt-ref"}))
         for tag, kw in (("ckpt-tp2", {"tensor_parallel": 2}), ("ckpt-pp2", PP2)):
             cases.append(("litgpt_qwen3", kw, _per_rank(kw), {"litgpt_pretrained": str(litgpt_dir), "meta": True, "tag": tag}))
+        cases.append(("litgpt_qwen3", PP2, _per_rank(PP2),
+                      {"litgpt_pretrained": str(litgpt_dir.parent / "other_rope"), "meta": True, "tag": "ckpt-other"}))
     reference = run_ranks(fit_cases, 1, refs, timeout=600)[0]
     return reference, run_ranks(fit_cases, 2, cases, timeout=1200)
 
@@ -103,6 +114,14 @@ def test_refused_before_work(model: str, kwargs: dict[str, Any], words: list[str
 def test_litgpt_checkpoint_loads_per_rank(tag: str, runs: tuple[dict, dict]) -> None:
     reference, outs = runs
     assert_exact(reference[("litgpt_qwen3", "ckpt-ref")], [o[("litgpt_qwen3", tag)] for o in outs])
+
+
+@pytest.mark.skipif(not HAS_LITGPT, reason="litgpt is not installed (pip install --no-deps litgpt)")
+def test_litgpt_checkpoint_of_another_config_is_refused(runs: tuple[dict, dict]) -> None:
+    for out in runs[1]:
+        error = out[("litgpt_qwen3", "ckpt-other")].get("error", "(trained without an error)")
+        assert "model_config.yaml has rope_base=12345 but the model has 1000000" in error, error
+        assert "norm_eps" not in error and ", in setup\n" in error  # the same value as text; before any step
 
 
 def test_module_dict_stacks_are_found_and_dicts_of_single_layers_are_not() -> None:
