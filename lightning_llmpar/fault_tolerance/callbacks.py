@@ -83,6 +83,8 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
     (a preemption notice) stops every rank at the end of one step, which is saved first (``save_on_preemption``).
     """
 
+    restores_interrupted_saves = True  # its scan for "last" puts back a save killed between its renames
+
     def __init__(
         self, dirpath: str, every_n_train_steps: int = 50, keep_last: int = 3, save_on_preemption: bool = True
     ) -> None:

@@ -95,7 +95,16 @@ class CheckpointingStrategy(PreemptionHooks, AsyncSaveHooks, MeshStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        found = self.broadcast(_last_over_foreign_files(self.lightning_module.trainer) if self.is_global_zero else [])
+        trainer = self.lightning_module.trainer
+        restored = self.broadcast(_restore_interrupted_lasts(trainer) if self.is_global_zero else [])
+        if restored and trainer.ckpt_path is None:
+            raise ValueError(
+                f"{restored[0]} was missing, with a complete copy beside it left by a save interrupted between its"
+                " two renames; it is back in place. This run resumed from nothing (Lightning resolves"
+                " ckpt_path='last' before the strategy runs, and found no last checkpoint) and would have replaced it."
+                " Run again with ckpt_path='last' to resume from it, or give the callback another dirpath."
+            )
+        found = self.broadcast(_last_over_foreign_files(trainer) if self.is_global_zero else [])
         if found:
             how, path = found[0]
             raise ValueError(
@@ -117,3 +126,20 @@ def _last_over_foreign_files(trainer: Any) -> list[tuple[Any, str]]:
             if not last.is_symlink() and foreign_files(last):
                 found.append((cb.save_last, str(last)))
     return found
+
+
+def _restore_interrupted_lasts(trainer: Any) -> list[str]:
+    """Rank 0: put back a ModelCheckpoint's ``last`` checkpoint whose save was killed between its two renames (the
+    name missing, a complete ``.NAME.partial`` or ``.NAME.old`` beside it: see checkpointing.dcp). Lightning's own
+    scan for ``ckpt_path='last'`` does not see those names; FaultTolerantCheckpoint's does, and puts them back."""
+    restored = []
+    for cb in trainer.checkpoint_callbacks:
+        if not isinstance(cb, ModelCheckpoint) or getattr(cb, "restores_interrupted_saves", False) or not cb.dirpath:
+            continue
+        for hidden in Path(cb.dirpath).expanduser().glob(f".{cb.CHECKPOINT_NAME_LAST}*"):
+            last = hidden.with_name(hidden.name[1:].rsplit(".", 1)[0])  # .last.ckpt.partial -> last.ckpt
+            if last.suffix == cb.FILE_EXTENSION and not last.exists():
+                ckpt.recover(last)
+                if last.exists():
+                    restored.append(str(last))
+    return restored

@@ -142,6 +142,19 @@ def test_crash_between_the_renames_resumes_from_the_complete_copy(
     assert out["error"] is None and out["steps"][0] == 9, out
 
 
+def test_lightnings_model_checkpoint_killed_between_the_renames_is_put_back_not_replaced(tmp_path: Path) -> None:
+    # Lightning's scan for ckpt_path="last" does not see .last.ckpt.partial: the run trained from step 0 and its
+    # first save replaced the put-back last.ckpt (12 trained steps lost, exit status 0).
+    every = {"dirpath": str(tmp_path), "every_n_train_steps": 2, "save_last": True, "save_top_k": 0}
+    assert run_ranks(train, 1, steps=4, model_checkpoint=every)[0]["error"] is None
+    (tmp_path / "last.ckpt").rename(tmp_path / ".last.ckpt.partial")  # the new copy complete, not yet in place
+    refused = run_ranks(train, 1, steps=6, ckpt_path="last", model_checkpoint=every)[0]
+    assert "Run again with ckpt_path='last'" in (refused["error"] or "") and refused["steps"] == [], refused
+    assert checkpoint_problem(tmp_path / "last.ckpt") is None  # back in place
+    out = run_ranks(train, 1, steps=6, ckpt_path="last", model_checkpoint=every)[0]
+    assert out["error"] is None and out["steps"] == [5, 6], out
+
+
 def _killed_save(path: Path, kill_at: int) -> int | None:
     # The launcher's forkserver (one per process), which has torch and this library imported already.
     proc = multiprocessing.get_context("forkserver").Process(target=save_version, args=(str(path), 2, kill_at))
