@@ -30,17 +30,32 @@ from lightning_llmpar.checkpointing.manifest import LINEAGE_KEY, read_manifest, 
 from lightning_llmpar.checkpointing.scan import checkpoint_problem, legacy_note
 from lightning_llmpar.fault_tolerance.position import count_batch, restore_position, resumable_sampler
 
-__all__ = ["FaultTolerantCheckpoint", "StepGuard", "checkpoint_problem", "newest_complete_checkpoint"]
+__all__ = ["FaultTolerantCheckpoint", "StepGuard", "checkpoint_problem", "newest_complete_checkpoint", "recover_folder"]
 
 _STEP = re.compile(r"step[=_-]?(\d+)")
 # What FaultTolerantCheckpoint writes (``step=N.ckpt``) and the staging/old folders of its atomic writes.
 _OWN = re.compile(r"^step=\d+\.ckpt$")
-_OWN_STAGING = re.compile(r"^\.(step=\d+\.ckpt)\.(partial|old)$")
+_OWN_NAMES = re.compile(r"step=\d+\.ckpt")
 
 
 def _step_of(path: Path) -> int:
     match = _STEP.search(path.name)
     return int(match.group(1)) if match else -1
+
+
+def recover_folder(folder: Path, names: re.Pattern[str]) -> list[Path]:
+    """:func:`recover` every checkpoint of ``folder`` whose name ``names`` matches and that a save interrupted between
+    its two renames left only as a complete ``.NAME.partial`` or ``.NAME.old``; returns those put back."""
+    restored = []
+    for hidden in sorted(folder.glob(".*")) if folder.is_dir() else []:
+        for suffix in (".partial", ".old"):
+            name = hidden.name[1:].removesuffix(suffix)
+            path = folder / name
+            if hidden.name.endswith(suffix) and names.fullmatch(name) and not path.exists():
+                recover(path)
+                if path.exists():
+                    restored.append(path)
+    return restored
 
 
 def newest_complete_checkpoint(folder: Path, kind: str | None = None) -> Path | None:
@@ -52,8 +67,7 @@ def newest_complete_checkpoint(folder: Path, kind: str | None = None) -> Path | 
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         return None
-    for leftover in [p for p in folder.iterdir() if _OWN_STAGING.match(p.name)]:
-        recover(folder / _OWN_STAGING.match(leftover.name).group(1))  # type: ignore[union-attr]
+    recover_folder(folder, _OWN_NAMES)
     skipped = []
     for path in sorted((p for p in folder.iterdir() if p.name.endswith(".ckpt")), key=_step_of, reverse=True):
         problem = checkpoint_problem(path, kind)
@@ -82,8 +96,6 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
     a folder holding other checkpoints is refused before its first step. Under ``LLMParallelStrategy`` a SIGTERM
     (a preemption notice) stops every rank at the end of one step, which is saved first (``save_on_preemption``).
     """
-
-    restores_interrupted_saves = True  # its scan for "last" puts back a save killed between its renames
 
     def __init__(
         self, dirpath: str, every_n_train_steps: int = 50, keep_last: int = 3, save_on_preemption: bool = True

@@ -6,6 +6,7 @@ into whatever layout the run has now. The hooks through which Lightning would mo
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from lightning_llmpar.checkpointing import dcp as ckpt
 from lightning_llmpar.checkpointing.async_save import AsyncSaveHooks
 from lightning_llmpar.checkpointing.manifest import LINEAGE_KEY, foreign_files, remove_owned
 from lightning_llmpar.data_parallel.backend import ShardingBackend
+from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint, recover_folder
 from lightning_llmpar.fault_tolerance.preemption import PreemptionHooks
 from lightning_llmpar.strategies.mesh import MeshStrategy
 
@@ -132,14 +134,9 @@ def _restore_interrupted_lasts(trainer: Any) -> list[str]:
     """Rank 0: put back a ModelCheckpoint's ``last`` checkpoint whose save was killed between its two renames (the
     name missing, a complete ``.NAME.partial`` or ``.NAME.old`` beside it: see checkpointing.dcp). Lightning's own
     scan for ``ckpt_path='last'`` does not see those names; FaultTolerantCheckpoint's does, and puts them back."""
-    restored = []
+    restored: list[str] = []
     for cb in trainer.checkpoint_callbacks:
-        if not isinstance(cb, ModelCheckpoint) or getattr(cb, "restores_interrupted_saves", False) or not cb.dirpath:
-            continue
-        for hidden in Path(cb.dirpath).expanduser().glob(f".{cb.CHECKPOINT_NAME_LAST}*"):
-            last = hidden.with_name(hidden.name[1:].rsplit(".", 1)[0])  # .last.ckpt.partial -> last.ckpt
-            if last.suffix == cb.FILE_EXTENSION and not last.exists():
-                ckpt.recover(last)
-                if last.exists():
-                    restored.append(str(last))
+        if isinstance(cb, ModelCheckpoint) and not isinstance(cb, FaultTolerantCheckpoint) and cb.dirpath:
+            last = re.compile(rf"{re.escape(cb.CHECKPOINT_NAME_LAST)}.*{re.escape(cb.FILE_EXTENSION)}")
+            restored += map(str, recover_folder(Path(cb.dirpath).expanduser(), last))
     return restored
