@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ModelSummary
 from lightning.pytorch.callbacks.progress import ProgressBar
@@ -19,6 +20,7 @@ import lightning_llmpar  # noqa: F401 - registers the strategy names
 from lightning_llmpar.callbacks.throughput import ThroughputAndMemory
 from lightning_llmpar.callbacks.timeline import PipelineTimeline
 from lightning_llmpar.cli.progress import step_progress_bar
+from lightning_llmpar.cli.resume import newest_run_checkpoint
 from lightning_llmpar.cli.saved_config import KeepingSaveConfig
 from lightning_llmpar.cli.summary import model_summary
 from lightning_llmpar.cli.warnings import quiet_known_warnings
@@ -73,23 +75,6 @@ def _strategy_from_path(name: str) -> str | Strategy:
     return found()
 
 
-def _newest_run_checkpoint(trainer: Trainer) -> Path | None:
-    """For ``--ckpt_path last`` with a checkpoint callback without a folder of its own (the command's default, or a
-    user's ``ModelCheckpoint`` without ``dirpath``), which writes into each run's own folder
-    (``save_dir/name/<run>/checkpoints``), where Lightning looks for "last" only in this run's (new, empty) one: the
-    newest complete ``last`` checkpoint of the runs beside it. None without a logger (one folder for every run,
-    where Lightning finds it) or with a ``dirpath`` (Lightning looks there)."""
-    from lightning_llmpar.checkpointing.scan import checkpoint_problem
-
-    ckpt = trainer.checkpoint_callback
-    if not isinstance(ckpt, ModelCheckpoint) or ckpt.dirpath is not None or not trainer.loggers:
-        return None
-    logger = trainer.loggers[0]
-    runs = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name)
-    found = [p for p in runs.glob("*/checkpoints/last*.ckpt") if p.is_file() or checkpoint_problem(p) is None]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
-
-
 class LLMParCLI(LightningCLI):
     """Any LightningModule and DataModule (``--model my_pkg.MyModule --data my_pkg.MyData``); the example GPT and
     the offline corpus are the defaults, so configs that only set their arguments keep working."""
@@ -131,13 +116,19 @@ class LLMParCLI(LightningCLI):
     def before_fit(self) -> None:
         # A mistyped --ckpt_path is refused here, before any process starts, not after set-up on every rank.
         path = self.config_init[self.subcommand].get("ckpt_path")
-        if path == "last" and (newest := _newest_run_checkpoint(self.trainer)) is not None:
-            rank_zero_info(f"llmpar: resuming from {newest}, the newest complete checkpoint of an earlier run")
+        if path == "last" and (newest := newest_run_checkpoint(self.trainer, self._config_dict())) is not None:
+            rank_zero_info(f"llmpar: resuming from {newest}, the newest complete checkpoint of an earlier run of this"
+                           " model and data config")
             self.config_init[self.subcommand]["ckpt_path"] = path = str(newest)
         if (isinstance(path, str) and path not in ("last", "best", "hpc") and not path.startswith("registry")
                 and not Path(path).expanduser().exists()):
             raise ValueError(f"--ckpt_path {path}: nothing by that name exists. Give a checkpoint folder the run wrote"
                              " (e.g. runs/llmpar/<run-id>/checkpoints/last.ckpt), or 'last'.")
+
+    def _config_dict(self) -> dict[str, Any]:
+        """This run's config as the run folder's ``config.yaml`` will hold it (the same dump, read back)."""
+        dumped = self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False)
+        return yaml.safe_load(dumped)
 
     def after_fit(self) -> None:
         self._report()

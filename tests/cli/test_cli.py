@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -327,7 +328,7 @@ def test_ckpt_path_last_finds_an_earlier_run_of_a_users_checkpoint_callback(tmp_
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_llmpar.cli.main import _newest_run_checkpoint
+    from lightning_llmpar.cli.resume import newest_run_checkpoint
 
     earlier = tmp_path / "logs" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
     earlier.parent.mkdir(parents=True)
@@ -337,8 +338,44 @@ def test_ckpt_path_last_finds_an_earlier_run_of_a_users_checkpoint_callback(tmp_
         return Trainer(logger=CSVLogger(tmp_path / "logs"), callbacks=[ModelCheckpoint(save_last=True, **kw)],
                        enable_progress_bar=False, enable_model_summary=False)
 
-    assert _newest_run_checkpoint(trainer()) == earlier
-    assert _newest_run_checkpoint(trainer(dirpath=tmp_path / "mine")) is None
+    assert newest_run_checkpoint(trainer()) == earlier
+    assert newest_run_checkpoint(trainer(dirpath=tmp_path / "mine")) is None
+
+
+def test_ckpt_path_last_takes_the_newest_run_of_this_model_and_data(tmp_path: Path) -> None:
+    # Runs of other configs share runs/llmpar (a sweep): "last" took the newest of any, and a model of the same
+    # shapes but another learning rate or rotary base resumed from it without a word. The newest run whose saved
+    # model and data sections equal this run's is taken; the trainer's settings (the layout) and the loaders' worker
+    # counts may differ; a run that saved no config is taken on trust; none of this config is refused, by name.
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_llmpar.cli.resume import newest_run_checkpoint
+
+    def config(lr: float, workers: int = 0, devices: int = 1) -> dict[str, Any]:
+        return {"trainer": {"devices": devices},
+                "model": {"class_path": "my.Model", "init_args": {"n_embd": 64, "learning_rate": lr}},
+                "data": {"class_path": "my.Data", "init_args": {"batch_size": 8, "num_workers": workers}}}
+
+    def run(version: int, saved: dict[str, Any] | None, age: float) -> Path:
+        last = tmp_path / "logs" / "lightning_logs" / f"version_{version}" / "checkpoints" / "last.ckpt"
+        last.parent.mkdir(parents=True)
+        last.write_bytes(b"a checkpoint")
+        os.utime(last, (time.time() - age, time.time() - age))
+        if saved is not None:
+            (last.parent.parent / "config.yaml").write_text(yaml.safe_dump(saved))
+        return last
+
+    a = run(0, config(1e-3), age=30)
+    run(1, config(3e-4), age=20)  # a sweep's other learning rate, newer
+    trainer = Trainer(logger=CSVLogger(tmp_path / "logs"), callbacks=[ModelCheckpoint(save_last=True)],
+                      enable_progress_bar=False, enable_model_summary=False)
+    assert newest_run_checkpoint(trainer, config(1e-3, workers=2, devices=4)) == a
+    with pytest.raises(ValueError, match=r"differs in model\.init_args\.learning_rate: 0\.0003 -> 0\.01.*version_1"):
+        newest_run_checkpoint(trainer, config(1e-2))
+    unknown = run(2, None, age=10)
+    assert newest_run_checkpoint(trainer, config(1e-2)) == unknown
 
 
 def test_schedule_spans_an_epoch_bounded_run() -> None:
