@@ -7,7 +7,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from torchmetrics.text import Perplexity
 
-from lightning_llmpar.models.finetune import adamw_warmup_cosine, schedule_length
+from lightning_llmpar.models.finetune import adamw_warmup_cosine, schedule_length, warn_if_schedule_changed
 from lightning_llmpar.models.gpt import GPT, GPTConfig
 
 __all__ = ["GPTModule"]
@@ -91,6 +91,9 @@ class GPTModule(LightningModule):
             return self._logits(x, boundaries).argmax(-1)
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
         return self(x).argmax(-1)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        warn_if_schedule_changed(self, checkpoint)
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
         hp = self.hparams

@@ -301,12 +301,14 @@ def test_cli_resumes_mid_epoch_on_the_batches_of_an_unstopped_run(tmp_path: Path
     # --ckpt_path last, the run goes on with the epoch's next batches: its losses are the unstopped run's. (Before,
     # the resumed epoch started its data again, and "last" found nothing in the new run's folder; the warm-up spans
     # all 10 steps, so the learning rates agree.)
-    def losses(name: str, steps: int, *extra: str, folder: str = "") -> tuple[dict[int, float], dict[str, str]]:
+    def losses(name: str, steps: int, *extra: str, folder: str = "",
+               output: list[str] | None = None) -> tuple[dict[int, float], dict[str, str]]:
         out = tmp_path / (folder or name)
         report = _train_from_single(tmp_path, "--trainer.max_steps", str(steps), "--trainer.log_every_n_steps", "1",
                                     "--trainer.limit_val_batches", "0", "--trainer.logger",
                                     "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(out),
-                                    "--model.n_layer", "2", "--model.n_embd", "64", "--data.block_size", "64", *extra)
+                                    "--model.n_layer", "2", "--model.n_embd", "64", "--data.block_size", "64", *extra,
+                                    output=output)
         rows = csv.DictReader(sorted(out.rglob("metrics.csv"))[-1].open())  # this run's version
         return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}, report
 
@@ -314,8 +316,11 @@ def test_cli_resumes_mid_epoch_on_the_batches_of_an_unstopped_run(tmp_path: Path
     first, report = losses("first", 5)
     assert torch.load(Path(report["checkpoint"]) / "meta.pt", weights_only=True)["global_step"] == 5
     # With a worker process, which draws indices as soon as the loader's iterator exists (before any callback).
-    rest, _ = losses("rest", 10, "--ckpt_path", "last", "--data.num_workers", "1", folder="first")
+    printed: list[str] = []
+    rest, _ = losses("rest", 10, "--ckpt_path", "last", "--data.num_workers", "1", folder="first", output=printed)
     assert sorted(first) == [0, 1, 2, 3, 4] and sorted(rest) == [5, 6, 7, 8, 9], (first, rest)
+    # max_steps is the schedule's length: the restored scheduler goes on with the longer one, and the run says so.
+    assert "another learning-rate schedule than the checkpoint's (total_steps 5 -> 10" in printed[0], printed[0][-3000:]
     for step, loss in {**first, **rest}.items():
         assert abs(loss - whole[step]) <= 1e-6 * max(1.0, abs(loss)), (step, loss, whole[step])
 
