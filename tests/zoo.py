@@ -25,13 +25,14 @@ from tests.workloads import kernels
 VOCAB, SEQ, SAMPLES = 64, 16, 64
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=32)
-_NO_SDPA = {"gemma2", "bloom", "gpt_oss", "mamba", "mpt", "openai_gpt", "gpt_neox_japanese"}
+_NO_SDPA = {"gemma2", "gemma2_full", "bloom", "gpt_oss", "mamba", "mpt", "openai_gpt", "gpt_neox_japanese"}
 # Gemma 4 amplifies fp32 reordering at lr 0.5: one process against two data-parallel ranks (alike at ZeRO 0, 1
 # and 3) drifts ~30x a step from 2e-7 while the first step's gradients agree within 1.2e-7. Its cases train at a
 # rate where six steps stay comparable.
 # OLMo-2 with one key/value head at tp2: first-step gradients within 1.9e-7, losses exact for five steps at lr 0.5 and
 # 1.4e-4 off at the sixth (alike at every step at lr 0.05), the same amplification.
-_LR = {"gemma4": 0.005, "gemma4_ple": 0.005, "olmo2_mqa": 0.05}
+# Gemma-2 at cp2 (SDPA per part against one process's eager attention): at lr 0.5 the ninth step is 1.7e-5 off.
+_LR = {"gemma4": 0.005, "gemma4_ple": 0.005, "olmo2_mqa": 0.05, "gemma2_full": 0.05}
 
 # name -> (config class, overrides); "_tied"/"_untied" suffixes flip tie_word_embeddings.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -40,6 +41,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", {"head_dim": 8}),
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "gemma2": ("Gemma2Config", {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 8}),
+    # Gemma-2 as context parallelism takes it: no layer slides (sliding_window stays set: the model reads it), no cap.
+    "gemma2_full": ("Gemma2Config", {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 8,
+                                     "layer_types": ["full_attention"] * 4, "attn_logit_softcapping": None}),
     "phi3": ("Phi3Config", {"num_key_value_heads": 4, "pad_token_id": 0}),
     "phi3_gqa": ("Phi3Config", {"pad_token_id": 0}),
     # An odd vocabulary, as GPT-2's 50257 is: split unevenly over the ranks (the data uses the first 64 tokens).

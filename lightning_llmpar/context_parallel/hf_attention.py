@@ -20,10 +20,30 @@ _state: dict[str, Callable[[], bool]] = {"active": lambda: False}
 
 
 def _sliding(config: Any) -> bool:
+    # layer_types, where a config has them, say which layers slide (Gemma-2's sliding_window is set even when none
+    # does, and its model needs the value).
     layer_types = getattr(config, "layer_types", None) or ()
-    if any("sliding" in str(t) or "chunked" in str(t) for t in layer_types):
-        return True
+    if layer_types:
+        return any("sliding" in str(t) or "chunked" in str(t) for t in layer_types)
     return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+
+
+def _refusal(name: str, config: Any) -> str | None:
+    """Why torch's ring and Ulysses attention (SDPA per part) cannot run this model's attention, with the fix."""
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return (f"context_parallel cannot run {name}'s attention: it caps the attention scores"
+                f" (attn_logit_softcapping={config.attn_logit_softcapping}), which torch's ring and Ulysses"
+                " attention (SDPA) cannot. Use context_parallel=1 for it (tensor and pipeline parallelism split it"
+                " exactly), or attn_logit_softcapping=None for a model trained without the cap.")
+    if _sliding(config):
+        layer_types = getattr(config, "layer_types", None)
+        fix = (f"config.layer_types=['full_attention'] * {len(layer_types)}" if layer_types
+               else "config.sliding_window=None")
+        return (f"context_parallel cannot cut the sequence of {name}: its attention uses a sliding window"
+                f" (sliding_window={getattr(config, 'sliding_window', None)}, layer_types={layer_types}), which"
+                f" torch's ring and Ulysses attention do not take. Set {fix} when sequences are no longer than the"
+                " window (the same attention then), or use context_parallel=1.")
+    return None
 
 
 def _register() -> None:
@@ -51,13 +71,8 @@ def prepare_hf_attention(module: nn.Module, active: Callable[[], bool]) -> bool:
     _register()
     for model in models:
         name, config = type(model).__name__, model.config
-        if _sliding(config):
-            raise ValueError(
-                f"context_parallel cannot cut the sequence of {name}: its attention uses a sliding window"
-                f" (sliding_window={getattr(config, 'sliding_window', None)}, layer_types="
-                f"{getattr(config, 'layer_types', None)}), which torch's ring and Ulysses attention do not take. Set"
-                " config.sliding_window=None when sequences are no longer than the window, or use context_parallel=1."
-            )
+        if (refusal := _refusal(name, config)) is not None:
+            raise ValueError(refusal)
         if not model._can_set_attn_implementation():
             raise ValueError(
                 f"context_parallel needs {name}'s attention to run through transformers' attention functions"

@@ -31,6 +31,7 @@ CASES: dict[int, list[tuple]] = {
         ("qwen3", RING, 8, {"tag": "ring_padded", "padded": True}),
         ("llama_untied", RING, 8, {"tag": "ring_frozen", "frozen": "head_only"}),  # only the LM head trains  # right padding: ranks hold unequal targets
         ("qwen3", dict(ULYSSES, loss_normalization="tokens"), 8, {"tag": "ulysses_tokens", "padded": True}),
+        ("gemma2_full", RING, 8, {"tag": "ring"}),  # eager attention in one process; layer_types decide the window
     ],
     4: [
         ("llama", dict(RING, tensor_parallel=2), 8, {"tag": "cp2_tp2"}),
@@ -150,8 +151,24 @@ def test_sliding_window_attention_is_refused() -> None:
 
     module = HFCausalLM("mistral")
     module.model.config.sliding_window = 8
-    with pytest.raises(ValueError, match="MistralForCausalLM: its attention uses a sliding window"):
+    with pytest.raises(ValueError, match="MistralForCausalLM: its attention uses a sliding window.*"
+                                         r"Set config\.sliding_window=None"):
         prepare_hf_attention(module, lambda: False)
+
+
+def test_gemma2_is_refused_for_what_it_uses_with_a_fix_that_runs() -> None:
+    # Gemma-2's sliding_window is set even when no layer slides, and its model needs the value: the refusal told
+    # users to unset it, which transformers then fails on. layer_types decide; the score cap is refused by name
+    # (SDPA has none); without either, Gemma-2 trains exactly (test_context_parallel_is_exact[gemma2_full-ring]).
+    from tests.zoo import HFCausalLM
+
+    capped = HFCausalLM("gemma2")
+    with pytest.raises(ValueError, match=r"caps the attention scores \(attn_logit_softcapping=50\.0\)"):
+        prepare_hf_attention(capped, lambda: False)
+    capped.model.config.attn_logit_softcapping = None
+    with pytest.raises(ValueError, match=r"Set config\.layer_types=\['full_attention'\] \* 4 when"):
+        prepare_hf_attention(capped, lambda: False)
+    assert prepare_hf_attention(HFCausalLM("gemma2_full"), lambda: False)
 
 
 @pytest.mark.parametrize(("name", "where"), [("bamba", r"'model.layers.0.mamba' \(BambaMixer\)"),
