@@ -147,6 +147,11 @@ class DeepSpeedBackend(ShardingBackend):
         assert module is not None and self.engine is not None
         s.pre_backward(loss)
         loss = s.precision_plugin.pre_backward(loss, module)
+        if module.automatic_optimization:
+            # Lightning decides where a group ends, and steps on an epoch's last batch mid-group: DeepSpeed's own
+            # micro-step count put that boundary elsewhere (ZeRO-1/2 stepped without reduced gradients and crashed,
+            # ZeRO-0 and offloaded ZeRO-3 stepped on unreduced or stale ones, and every later group was shifted).
+            self.engine.set_gradient_accumulation_boundary(not module.trainer.fit_loop.epoch_loop._should_accumulate())
         # Lightning already divided the loss by accumulate_grad_batches.
         self.engine.backward(loss, scale_wrt_gas=False)
         if not self.engine.is_gradient_accumulation_boundary():

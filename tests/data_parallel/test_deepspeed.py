@@ -40,6 +40,17 @@ def test_deepspeed_accumulation_and_clipping() -> None:
     assert_parity(ref, outs, 2)
 
 
+@pytest.mark.parametrize("kwargs", [pytest.param({"zero_stage": 0}, id="zero0"), pytest.param({"zero_stage": 1}, id="zero1"),
+                                    pytest.param({"zero_stage": 3, "offload_optimizer": "cpu"}, id="zero3-offload")])
+def test_deepspeed_steps_where_lightning_ends_an_accumulation_group(kwargs: dict[str, Any]) -> None:
+    # Five batches an epoch, groups of two: Lightning steps on the epoch's last batch alone. DeepSpeed counted its
+    # own micro-steps and put the boundary elsewhere: ZeRO-1/2 crashed in that step, ZeRO-0 left each rank with its
+    # own gradient (the ranks' weights 0.03 apart), offloaded ZeRO-3 stepped on stale ones.
+    run = dict(accumulate=2, clip=0.3, sgd=True, samples=GLOBAL_BATCH * 5, epochs=2, steps=-1)
+    ref = reference_for("gpt", **run)
+    assert_parity(ref, run_ranks(fit, 2, "gpt", {**DS, **kwargs}, batch_size=GLOBAL_BATCH // 2, **run), 2)
+
+
 def test_deepspeed_does_not_clip_unless_asked() -> None:
     # DeepSpeed's own default is gradient_clipping=1.0: a run without gradient_clip_val clipped every step whose
     # gradient norm passed 1 (SGD makes the changed step size visible in the weights).
