@@ -155,10 +155,17 @@ def _without_optimizer() -> LightningModule:
     return module
 
 
+def _first_block_frozen() -> LightningModule:
+    module = make_gpt()
+    module.model.layers[0].requires_grad_(False)
+    return module
+
+
 MODELS = {"gpt": make_gpt, "llama": HFLlamaModule, "llama_tied": lambda: HFLlamaModule(tie=True), "llama_hooked": _HookedLlama,
           "gpt_extra": lambda: _ExtraParameter(True), "gpt_extra_lenient": lambda: _ExtraParameter(False),
           "gpt_partly_optimized": _PartlyOptimized, "gpt_steep": _SteepLoss, "gpt_positions_in_forward": _PositionsInForward,
-          "gpt_positions_at_root": _PositionsAtRoot, "gpt_without_optimizer": _without_optimizer}
+          "gpt_positions_at_root": _PositionsAtRoot, "gpt_without_optimizer": _without_optimizer,
+          "gpt_first_block_frozen": _first_block_frozen}
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -270,7 +277,9 @@ def fit(
     if getattr(trainer.strategy, "engine", None) is not None and trainer.strategy.layout.zero_stage > 0:
         from deepspeed.utils import safe_get_full_fp32_param  # ZeRO-0 has no fp32 partitions: the module's own
 
-        params = {n: safe_get_full_fp32_param(p).detach().clone().cpu() for n, p in module.named_parameters()}
+        # (frozen parameters have no fp32 partition: below ZeRO-3 the module holds them whole)
+        params = {n: (p if (f := safe_get_full_fp32_param(p)) is None else f).detach().clone().cpu()
+                  for n, p in module.named_parameters()}
     local_shapes = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in module.named_parameters()}
     return {"losses": recorder.losses, "grads": recorder.grads, "params": params, "local_shapes": local_shapes,
             "logged": logged, "val": val, "predictions": predictions,

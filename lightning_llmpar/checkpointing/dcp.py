@@ -367,11 +367,13 @@ def export_consolidated(path: str | Path, output: str | Path, *, weights_only: b
             raise ValueError(_DEEPSPEED_TRUST.format(path=path, call="export_consolidated(path, output, weights_only=False)"))
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        if any((path / "ckpt").glob("*optim_states.pt")):
-            weights = dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag="ckpt"))
-        else:  # ZeRO-0 keeps no optimizer partitions, which zero_to_fp32 reads: the module's own (whole) weights,
-            # read with torch's weights-only unpickler (it holds tensors and plain data)
-            weights = dict(safe_torch_load(path / "ckpt" / "mp_rank_00_model_states.pt", map_location="cpu")["module"])
+        weights = (dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag="ckpt"))
+                   if any((path / "ckpt").glob("*optim_states.pt")) else {})
+        # ZeRO-0 keeps no optimizer partitions, which zero_to_fp32 reads, and at ZeRO-1/2 it leaves frozen parameters
+        # out: the module's own whole tensors (ZeRO-3 has no such file), read with the weights-only unpickler.
+        if (whole := path / "ckpt" / "mp_rank_00_model_states.pt").is_file():
+            module = safe_torch_load(whole, map_location="cpu")["module"]
+            weights.update({k: v for k, v in module.items() if k not in weights})
     else:
         metadata = read_dcp_metadata(path)
         state: dict[str, Any] = {"model": {}}

@@ -122,20 +122,23 @@ def build_deepspeed_config(
     zero = dict(user.get("zero_optimization", {}))
     _agree(zero, "stage", zero_stage, "zero_optimization.stage", f"Set zero_stage={zero.get('stage')} or remove it from the config.")
     zero["stage"] = zero_stage
-    for key, target, stage_needed in (("offload_optimizer", offload_optimizer, 1), ("offload_param", offload_parameters, 3)):
+    for key, target in (("offload_optimizer", offload_optimizer), ("offload_param", offload_parameters)):
         wanted = _offload(target, key)
         if wanted is None:
             continue
-        if zero_stage < stage_needed:
-            raise ValueError(
-                f"Offloading {key.split('_')[1]} needs zero_stage >= {stage_needed} with DeepSpeed, got zero_stage={zero_stage}."
-            )
         if key in zero and zero[key].get("device") not in (None, "none", wanted["device"]):
             raise ValueError(
                 f"The DeepSpeed config offloads {key} to {zero[key].get('device')!r} but the strategy asks for"
                 f" {wanted['device']!r}. Keep one of the two."
             )
         zero[key] = {**zero.get(key, {}), **wanted}
+    for key, stage_needed in (("offload_optimizer", 1), ("offload_param", 3)):  # asked here or in the config
+        device = (zero.get(key) or {}).get("device")
+        if device not in (None, "none") and zero_stage < stage_needed:  # DeepSpeed would ignore it
+            raise ValueError(
+                f"Offloading {key.split('_')[1]} needs zero_stage >= {stage_needed} with DeepSpeed, got"
+                f" zero_stage={zero_stage} (zero_optimization.{key}.device={device!r})."
+            )
     if num_params is not None:
         # DeepSpeed's bucket defaults (5e8 elements, 2 GB in fp32) are sized for multi-billion models and
         # are allocated whole; never let a bucket exceed the model it holds. User settings win.

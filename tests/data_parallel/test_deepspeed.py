@@ -88,10 +88,13 @@ def test_deepspeed_checkpoint_resumes_and_exports(tmp_path: Path) -> None:
         torch.testing.assert_close(p.detach(), first[0]["params"][name], atol=0, rtol=0)
 
 
-def test_deepspeed_zero0_checkpoint_exports(tmp_path: Path) -> None:
-    # ZeRO-0 writes no optimizer partitions, which DeepSpeed's zero_to_fp32 needs (it failed with a TypeError).
-    path = tmp_path / "ds0.ckpt"
-    out = run_ranks(fit, 2, "gpt", {**DS, "zero_stage": 0}, batch_size=GLOBAL_BATCH // 2, steps=2, save_to=str(path))
+@pytest.mark.parametrize("zero", [0, 1])
+def test_deepspeed_checkpoint_exports_every_parameter(tmp_path: Path, zero: int) -> None:
+    # ZeRO-0 writes no optimizer partitions, which DeepSpeed's zero_to_fp32 needs (it failed with a TypeError); at
+    # ZeRO-1 zero_to_fp32 leaves frozen parameters out (the export then failed load_state_dict, missing them).
+    path = tmp_path / "ds.ckpt"
+    out = run_ranks(fit, 2, "gpt_first_block_frozen", {**DS, "zero_stage": zero}, batch_size=GLOBAL_BATCH // 2, steps=2,
+                    save_to=str(path))
     weights = torch.load(export_consolidated(path, tmp_path / "model.pt", weights_only=False), weights_only=True)
     module = make_gpt()
     module.load_state_dict(weights, strict=True)
@@ -123,6 +126,8 @@ def test_user_config_is_merged() -> None:
           "deepspeed_config": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}},
          r"offloads offload_optimizer to 'nvme' but the strategy asks for 'cpu'"),
         ({"zero_stage": 2, "offload_parameters": "cpu"}, r"Offloading param needs zero_stage >= 3"),
+        ({"zero_stage": 2, "deepspeed_config": {"zero_optimization": {"offload_param": {"device": "cpu"}}}},
+         r"Offloading param needs zero_stage >= 3 with DeepSpeed, got zero_stage=2 \(zero_optimization\.offload_param\.device='cpu'\)"),
         ({"zero_stage": 2, "deepspeed_config": {"bf16": {"enabled": True}}}, r"enables bf16; precision comes from the Trainer"),
         ({"zero_stage": 2, "deepspeed_config": {"gradient_accumulation_steps": 4}}, r"use Trainer\(accumulate_grad_batches=...\)"),
         ({"zero_stage": 2, "deepspeed_config": "/no/such/file.json"}, r"neither a dict nor an existing JSON file"),
