@@ -287,10 +287,11 @@ class HFCausalLM(LightningModule):
 
 
 class _Tokens(Dataset):
-    """Random token windows; ``padded``: right-padded to SEQ from random lengths (labels -100, attention mask);
-    ``pairs``: (inputs, targets) from windows of SEQ + 1 tokens, as pretraining data comes, instead of dicts."""
+    """Random token windows; ``padded``: right-padded to SEQ from random lengths (labels -100, attention mask;
+    ``"positions"``: also position_ids, the pads' counted from 0 again, as some collators write them); ``pairs``: (inputs, targets) from windows of SEQ + 1 tokens, as pretraining data comes, instead of dicts."""
 
-    def __init__(self, n: int, seed: int = 1234, padded: bool = False, pairs: bool = False) -> None:
+    def __init__(self, n: int, seed: int = 1234, padded: bool | str = False, pairs: bool = False) -> None:
+        self.pad_positions = padded == "positions"
         g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(2, VOCAB, (n, SEQ), generator=g)
         self.lengths = torch.randint(3, SEQ + 1, (n,), generator=g) if padded else None
@@ -305,14 +306,17 @@ class _Tokens(Dataset):
         if self.lengths is None:
             return {"input_ids": self.ids[i], "labels": self.ids[i]}
         keep = torch.arange(SEQ) < self.lengths[i]
-        return {"input_ids": torch.where(keep, self.ids[i], 0), "labels": torch.where(keep, self.ids[i], -100),
-                "attention_mask": keep.long()}
+        row = {"input_ids": torch.where(keep, self.ids[i], 0), "labels": torch.where(keep, self.ids[i], -100),
+               "attention_mask": keep.long()}
+        if self.pad_positions:
+            row["position_ids"] = torch.where(keep, torch.arange(SEQ), torch.arange(SEQ) - self.lengths[i])
+        return row
 
 
 class DictTokenData(LightningDataModule):
     """Dict batches in a fixed order: data-parallel rank r takes samples r, r+dp, ... (no shuffling)."""
 
-    def __init__(self, batch_size: int, n: int = SAMPLES, padded: bool = False, pairs: bool = False) -> None:
+    def __init__(self, batch_size: int, n: int = SAMPLES, padded: bool | str = False, pairs: bool = False) -> None:
         super().__init__()
         self.data, self.batch_size = _Tokens(n, padded=padded, pairs=pairs), batch_size
 
@@ -411,7 +415,7 @@ def fit_case(
     sgd: bool = True,
     frozen: str | None = None,
     dropout: float = 0.0,
-    padded: bool = False,
+    padded: bool | str = False,
     clip: float | None = None,
     accumulate: int = 1,
     precision: Any = None,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_llmpar.training.documents import document_ids_from_positions
+from lightning_llmpar.training.documents import document_ids_from_positions, packed_beyond_padding
 
 __all__ = ["IGNORE_INDEX", "SHIFT_IN_STEP", "SequenceShard", "positions_for", "shard_batch"]
 
@@ -110,6 +110,16 @@ def _check_targets(batch: Any, seq_len: int) -> None:
         )
 
 
+def _packed_beyond_padding(positions: Tensor, batch: dict[str, Any]) -> bool:
+    """Restarting positions pack documents unless only pads follow (mask 0, or targets ignored)."""
+    mask, labels = batch.get("attention_mask"), batch.get("labels")
+    if isinstance(mask, Tensor) and mask.shape == positions.shape:
+        return packed_beyond_padding(positions, mask)
+    if isinstance(labels, Tensor) and labels.shape == positions.shape:
+        return packed_beyond_padding(positions, labels != IGNORE_INDEX)
+    return True
+
+
 def _documents(batch: Any, mode: str) -> Tensor | None:
     """The whole sequences' document ids of packed rows (None: one document per row). Ulysses attends over whole
     sequences, so it masks each document; ring attention here is causal without a mask: packed rows refused."""
@@ -117,7 +127,8 @@ def _documents(batch: Any, mode: str) -> Tensor | None:
         return None
     positions, documents = batch.get("position_ids"), batch.get("document_ids")
     packed = isinstance(documents, Tensor) and bool((documents[..., 1:] != documents[..., :-1]).any())
-    if not packed and isinstance(positions, Tensor) and positions.ndim == 2 and bool((positions[..., 1:] == 0).any()):
+    if (not packed and isinstance(positions, Tensor) and positions.ndim == 2 and bool((positions[..., 1:] == 0).any())
+            and _packed_beyond_padding(positions, batch)):
         packed, documents = True, document_ids_from_positions(positions)
     if packed and mode == "ring":
         given = "document_ids changing" if isinstance(batch.get("document_ids"), Tensor) else "position_ids restarting at 0"

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from lightning_llmpar.modeling.structure import is_transformers
 
 __all__ = ["apply_document_masking", "document_causal_mask", "document_ids_from_positions", "is_packed",
-           "hook_models_with_cache", "positions_from_documents", "refuse_packed_padding"]
+           "hook_models_with_cache", "packed_beyond_padding", "positions_from_documents", "refuse_packed_padding"]
 
 
 def document_ids_from_positions(position_ids: Tensor) -> Tensor:
@@ -48,6 +48,15 @@ def is_packed(position_ids: Tensor | None = None, document_ids: Tensor | None = 
     return bool((position_ids[..., 1:] == 0).any())
 
 
+def packed_beyond_padding(position_ids: Tensor, real: Tensor) -> bool:
+    """Whether a row's positions restart at 0 with a real token (``real``: attention mask, or targets not ignored)
+    at or after the restart: documents packed. Not when only pads follow (one document, right-padded, the pads'
+    positions counted from 0 again, as some collators write them): causal attention keeps its tokens from the
+    pads, and nothing there is scored."""
+    restarts = torch.cat([torch.zeros_like(position_ids[..., :1], dtype=torch.bool), position_ids[..., 1:] == 0], -1)
+    return bool(((restarts.int().cumsum(-1) > 0) & real.bool()).any())
+
+
 def document_causal_mask(document_ids: Tensor) -> Tensor:
     """Boolean (B, 1, T, T) mask, True where query i may attend key j: j <= i within i's document."""
     same = document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)
@@ -69,7 +78,7 @@ def apply_document_masking(module: nn.Module) -> int:
         if not model.training:  # evaluation: packed rows masked alike, unless the step asks for a cache or a mask
             return None if mask is not None or "use_cache" in kwargs else (args, {**kwargs, "use_cache": False})
         if mask is not None:
-            if not (isinstance(mask, Tensor) and mask.dim() == 2 and is_packed(positions)):
+            if not (isinstance(mask, Tensor) and mask.dim() == 2 and packed_beyond_padding(positions, mask)):
                 return None
             refuse_packed_padding(positions, mask)
             kwargs = {k: v for k, v in kwargs.items() if k != "attention_mask"}  # all ones: it says nothing
@@ -83,7 +92,7 @@ def refuse_packed_padding(positions: Any, mask: Any) -> None:
     step, so every rank decides alike: a context-parallel rank's forward sees only its part of each row."""
     if not (isinstance(positions, Tensor) and isinstance(mask, Tensor) and mask.dim() == 2):
         return
-    if is_packed(positions) and not bool(mask.all()):
+    if packed_beyond_padding(positions, mask) and not bool(mask.all()):
         raise ValueError(
             "This batch packs several documents in a row (position_ids restarting at 0 inside it) and pads"
             " too (attention_mask has zeros); transformers masks packed documents only without an"

@@ -29,6 +29,8 @@ CASES: dict[int, list[tuple]] = {
         ("llama", ULYSSES, 8, {"tag": "ulysses"}),
         ("gpt2", RING, 8, {"tag": "ring"}),  # learned absolute positions, tied embeddings
         ("qwen3", RING, 8, {"tag": "ring_padded", "padded": True}),
+        # The pads' positions counted from 0 again: one document, not a packed row (the ring refused it).
+        ("llama", RING, 8, {"tag": "ring_pad_positions_restart", "padded": "positions"}),
         ("llama_untied", RING, 8, {"tag": "ring_frozen", "frozen": "head_only"}),  # only the LM head trains  # right padding: ranks hold unequal targets
         ("qwen3", dict(ULYSSES, loss_normalization="tokens"), 8, {"tag": "ulysses_tokens", "padded": True}),
         ("gemma2_full", RING, 8, {"tag": "ring"}),  # eager attention in one process; layer_types decide the window
