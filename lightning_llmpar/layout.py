@@ -178,6 +178,8 @@ class ParallelLayout:
                 mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
                 if self.tp > 1 and self.pp > 1:
                     mesh["pp", "dp_replicate", "dp_shard", "cp"]._flatten("pp_dp_cp")
+            if self.cp > 1 and self.pp > 1:  # evaluation's metrics: context-parallel ranks hold copies there
+                mesh["pp", "dp_replicate", "dp_shard"]._flatten("pp_dp")
             return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
         return reuse_groups(("mesh", device_type, shape), build)

@@ -57,7 +57,8 @@ def _one_process() -> dict[str, float]:
 
 
 def _world(strategy: dict[str, Any]) -> int:
-    return strategy.get("tensor_parallel", 1) * strategy.get("pipeline_parallel", 1) * strategy.get("data_parallel", 1)
+    return (strategy.get("tensor_parallel", 1) * strategy.get("pipeline_parallel", 1) * strategy.get("data_parallel", 1)
+            * strategy.get("context_parallel", 1))
 
 
 @pytest.mark.parametrize(
@@ -68,6 +69,9 @@ def _world(strategy: dict[str, Any]) -> int:
         pytest.param({"tensor_parallel": 2, "pipeline_parallel": 2, "pipeline_schedule": "1F1B"}, id="tp2-pp2"),
         # Data-parallel ranks hold different samples: still reduced over (Lightning's sampler: 6 samples each).
         pytest.param({"tensor_parallel": 2, "data_parallel": 2, "zero_stage": 3}, id="dp2-tp2"),
+        # Evaluation runs whole sequences on each context-parallel rank: copies, not parts (sums were doubled).
+        pytest.param({"context_parallel": 2}, id="cp2"),
+        pytest.param({"context_parallel": 2, "pipeline_parallel": 2, "pipeline_schedule": "1F1B"}, id="cp2-pp2"),
     ],
 )
 def test_sums_maxima_and_metrics_logged_in_validation_are_one_process(strategy: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ from typing_extensions import override
 
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.training.loaders import check_loader
-from lightning_llmpar.training.sync_groups import log_group
+from lightning_llmpar.training.sync_groups import apply_metric_groups, log_group
 
 __all__ = ["MeshStrategy"]
 
@@ -126,6 +126,44 @@ class MeshStrategy(ParallelStrategy):
         box = [obj]
         dist.broadcast_object_list(box, src, group=_group.WORLD)
         return box[0]
+
+    def _evaluating(self, evaluating: bool) -> None:
+        """Evaluation runs whole sequences on every context-parallel rank: logged values and metrics reduce over the
+        data-parallel ranks only until it ends (training.sync_groups)."""
+        if self._device_mesh is None or self.lightning_module is None or self.layout.cp == 1:
+            return
+        self._log_group = log_group(self.layout, self._device_mesh, evaluating)
+        apply_metric_groups(self.lightning_module, self.layout, self._device_mesh, evaluating)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._evaluating(True)
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self._evaluating(False)
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._evaluating(True)
+
+    @override
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        self._evaluating(False)
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._evaluating(True)
+
+    @override
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        self._evaluating(False)
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
