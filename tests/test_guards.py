@@ -447,3 +447,29 @@ def test_parity_check_refuses_microbatches_that_do_not_divide_the_batch() -> Non
     layout = {"pipeline_parallel": 2, "pipeline_schedule": "1F1B", "pipeline_microbatches": 3}
     with pytest.raises(RuntimeError, match=r"Batch size 8 is not divisible by pipeline_microbatches=3"):
         verify_parity(_PaddedLlama, _PaddedRows, layout, 2, steps=2, verbose=False)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_a_launcher_world_other_than_devices_times_nodes_is_refused(monkeypatch: pytest.MonkeyPatch, launcher: str) -> None:
+    # Under torchrun or SLURM the processes exist before the Trainer: a num_nodes that does not match trained
+    # silently on another layout (hybrid sharding over "num_nodes"=1 ran as full sharding over all 4 ranks) while
+    # the strategy printed the one asked for. Refused at construction, with Lightning's own message, as DDP does.
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    if launcher == "torchrun":
+        env = {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+               "TORCHELASTIC_RUN_ID": "x", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}
+        match = r"devices=2` and `num_nodes=1` .* does not match the world size \(4\)"
+    else:
+        env = {"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2",
+               "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_ID": "1",
+               "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": "29555"}
+        match = r"HINT: Set `num_nodes=2`"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    strategy = dict(zero_stage=3, data_parallel_replicate="num_nodes")
+    with pytest.raises(ValueError, match=match):
+        Trainer(accelerator="cpu", devices=2, num_nodes=1, strategy=LLMParallelStrategy(**strategy), logger=False)
+    trainer = Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=LLMParallelStrategy(**strategy), logger=False)
+    assert str(trainer.strategy.layout).startswith("dp_replicate=2 x dp_shard=2"), trainer.strategy.layout

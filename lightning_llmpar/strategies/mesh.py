@@ -78,10 +78,15 @@ class MeshStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         # Validate the degrees against the world size here, at Trainer construction, before any
         # process is launched or any process group is created.
-        self._layout = self._build_layout(self.num_nodes * self.num_processes)
         assert self.cluster_environment is not None
         if self.cluster_environment.creates_processes_externally:
+            # The launcher's world (torchrun, SLURM) against devices x num_nodes first, as Lightning's launcher
+            # does when it runs: without it a mismatch trained on another layout than the one printed (hybrid
+            # sharding asked over 2 nodes ran as full sharding over 4 ranks), or named the wrong world size.
+            self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+            self._layout = self._build_layout(self.num_nodes * self.num_processes)
             return
+        self._layout = self._build_layout(self.num_nodes * self.num_processes)
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
