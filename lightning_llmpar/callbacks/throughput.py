@@ -17,6 +17,7 @@ from lightning_llmpar.callbacks.summary import count_whole_model
 from lightning_llmpar.modeling.structure import find_block_stack
 from lightning_llmpar.precision.plugins import compute_dtype
 from lightning_llmpar.training.batches import batch_tokens, first_tensor
+from lightning_llmpar.training.steps import ends_a_step
 
 __all__ = ["ThroughputAndMemory", "model_flops_per_token", "peak_flops_per_device"]
 
@@ -99,7 +100,7 @@ class ThroughputAndMemory(Callback):
         self._tokens += batch_tokens(batch)
         # Only right after an optimizer step, and every `log_every_n_steps` of them.
         every = self.every or trainer.log_every_n_steps
-        if (batch_idx + 1) % trainer.accumulate_grad_batches or trainer.global_step % every:
+        if not ends_a_step(trainer) or trainer.global_step % every:
             return
         assert self._start is not None
         elapsed = time.perf_counter() - self._start

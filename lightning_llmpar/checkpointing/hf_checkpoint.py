@@ -32,6 +32,7 @@ from lightning_llmpar.checkpointing.manifest import read_manifest, verify_manife
 from lightning_llmpar.checkpointing.publish import publish
 from lightning_llmpar.modeling.materialize import pretrained_models
 from lightning_llmpar.modeling.packing import Packing, canonical_regions, local_region, to_canonical
+from lightning_llmpar.training.steps import ends_a_step
 
 __all__ = ["HFCheckpointExport", "check_hf_directory", "hf_state_dict", "load_hf_checkpoint", "save_hf_checkpoint"]
 
@@ -377,7 +378,7 @@ class HFCheckpointExport(Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
-        if self.every and step % self.every == 0 and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+        if self.every and step % self.every == 0 and ends_a_step(trainer):
             self.last = save_hf_checkpoint(trainer, Path(self.dirpath).expanduser() / f"step={step}", self.dtype)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:

@@ -29,6 +29,7 @@ from lightning_llmpar.data_parallel.deepspeed_config import (
 from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.strategies.options import StrategyOptions
 from lightning_llmpar.training.documents import apply_document_masking
+from lightning_llmpar.training.steps import ends_a_step
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -151,7 +152,7 @@ class DeepSpeedBackend(ShardingBackend):
             # Lightning decides where a group ends, and steps on an epoch's last batch mid-group: DeepSpeed's own
             # micro-step count put that boundary elsewhere (ZeRO-1/2 stepped without reduced gradients and crashed,
             # ZeRO-0 and offloaded ZeRO-3 stepped on unreduced or stale ones, and every later group was shifted).
-            self.engine.set_gradient_accumulation_boundary(not module.trainer.fit_loop.epoch_loop._should_accumulate())
+            self.engine.set_gradient_accumulation_boundary(ends_a_step(module.trainer))
         # Lightning already divided the loss by accumulate_grad_batches.
         self.engine.backward(loss, scale_wrt_gas=False)
         if not self.engine.is_gradient_accumulation_boundary():

@@ -27,6 +27,8 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_llmpar.training.steps import ends_a_step
+
 __all__ = ["DeferredSignals", "PreemptionHooks"]
 
 _Handler = Callable[[int, FrameType | None], Any]
@@ -85,11 +87,6 @@ def _signums(trainer: Any) -> list[int]:
     return signums
 
 
-def _ends_a_step(trainer: Any) -> bool:
-    """Whether the batch about to run ends with an optimizer step (not one accumulating gradients)."""
-    return not trainer.fit_loop.epoch_loop._should_accumulate()
-
-
 class PreemptionHooks:
     """The strategy's hooks: signals deferred while fitting, agreed on before each batch that ends a step."""
 
@@ -117,7 +114,7 @@ class PreemptionHooks:
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
-        if self._signals is None or not _ends_a_step(self.lightning_module.trainer):
+        if self._signals is None or not ends_a_step(self.lightning_module.trainer):
             return
         for signum in self._signals.agree():
             self.preempted = self.preempted or signum == signal.SIGTERM

@@ -99,3 +99,36 @@ def test_save_checkpoint_twice_and_tilde_paths(tmp_path: Path) -> None:
     assert (tmp_path / "ckpts" / "a.ckpt" / MANIFEST).is_file() and (tmp_path / "hf" / MANIFEST).is_file()
     out = run_ranks(train, 1, steps=2, save_ckpt=str(tmp_path / "ckpts" / "a.ckpt"))[0]
     assert out["error"] is None, out.get("traceback")
+
+
+def _export_and_log_every_3_steps(folder: str) -> list[int]:
+    """5 batches an epoch in groups of 2, 2 epochs: steps after batches 2, 4, 5 of each (6 steps)."""
+    import csv
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_llmpar import LLMParallelStrategy
+    from lightning_llmpar.callbacks.throughput import ThroughputAndMemory
+    from lightning_llmpar.checkpointing.hf_checkpoint import HFCheckpointExport
+    from tests.zoo import DictTokenData, HFCausalLM
+
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=LLMParallelStrategy(), max_epochs=2,
+                      accumulate_grad_batches=2, logger=CSVLogger(folder, name="logs"), log_every_n_steps=1,
+                      enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                      callbacks=[HFCheckpointExport(f"{folder}/hf", every_n_train_steps=3),
+                                 ThroughputAndMemory(log_every_n_steps=3, peak_flops=1e9)])
+    trainer.fit(HFCausalLM("llama"), datamodule=DictTokenData(2, n=10))
+    assert trainer.global_step == 6
+    with open(next(Path(folder, "logs").rglob("metrics.csv"))) as f:
+        return [int(r["step"]) for r in csv.DictReader(f) if r.get("perf/tokens_per_sec")]
+
+
+def test_step_callbacks_count_a_step_lightning_takes_on_a_short_group(tmp_path: Path) -> None:
+    # Lightning steps on an epoch's last batch when the group is not full; the export and the throughput log were
+    # due only after a batch whose index the group size divides: steps 3 and 6 came after batch 5, and nothing was
+    # exported or logged in the whole run.
+    logged = run_ranks(_export_and_log_every_3_steps, 1, str(tmp_path))[0]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["final", "step=3", "step=6"]
+    assert logged == [2, 5], logged  # Lightning's CSV rows are 0-based: global steps 3 and 6
