@@ -45,10 +45,12 @@ def check_data_parallel_sync(a: dict[str, Any]) -> DiLoCoConfig | None:
     if sync not in DATA_PARALLEL_SYNC:
         raise ValueError(f"`data_parallel_sync` must be one of {DATA_PARALLEL_SYNC}, got {sync!r}.")
     if sync == "every_step":
-        if every is not None:
+        defaults = {"diloco_every": None, "diloco_outer_lr": 0.7, "diloco_outer_momentum": 0.9}  # the strategy's
+        given = [f"{k}={a[k]!r}" for k, default in defaults.items() if a.get(k, default) != default]
+        if given:
             raise ValueError(
-                f"diloco_every={every!r} is given but data_parallel_sync='every_step' syncs every step; set"
-                " data_parallel_sync='diloco' to sync every diloco_every steps, or leave diloco_every out."
+                f"{', '.join(given)} given but data_parallel_sync='every_step' syncs every step and has no outer"
+                " optimizer; set data_parallel_sync='diloco' to use them, or leave them out."
             )
         return None
     if a.get("fault_tolerance") != "torchft":
@@ -59,7 +61,7 @@ def check_data_parallel_sync(a: dict[str, Any]) -> DiLoCoConfig | None:
     every = DEFAULT_EVERY if every is None else every
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"`diloco_every` must be a positive integer (inner steps between syncs), got {every!r}.")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 or lr == float("inf"):
         raise ValueError(f"`diloco_outer_lr` must be a positive number, got {lr!r}.")
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
         raise ValueError(f"`diloco_outer_momentum` must be in [0, 1), got {momentum!r}.")
@@ -87,8 +89,11 @@ def start_diloco(manager: Manager, model: nn.Module, inner: torch.optim.Optimize
     if not torch.allclose(mean, mine, rtol=1e-9, atol=0):
         raise ValueError(
             f"The replica groups start DiLoCo from different weights (this group's sum and sum of squares"
-            f" {mine.tolist()}, the groups' mean {mean.tolist()}): give every group the same seed (seed_everything)"
-            " or the same checkpoint."
+            f" {mine.tolist()}, the groups' mean {mean.tolist()}): give every group the same seed (seed_everything)."
+            " Resumed, every group needs a checkpoint of one sync step: groups part between syncs, so a checkpoint"
+            " saved between two (every_n_train_steps not a multiple of diloco_every, a preemption's) or groups that"
+            " stopped at different steps hold different weights; resume every group from the same step's, or copy"
+            " one group's to all."
         )
     params = [p for p in model.parameters() if p.requires_grad]
     outer = torch.optim.SGD(params, lr=config.outer_lr, momentum=config.outer_momentum,

@@ -18,6 +18,7 @@ import importlib.util
 import os
 import re
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -62,12 +63,14 @@ class ReplicaGroupEnv:
         try:
             rid, num = int(os.environ[ENV_REPLICA_ID]), int(os.environ[ENV_NUM_GROUPS])
         except ValueError:
-            raise ValueError(
-                f"{ENV_REPLICA_ID}={os.environ[ENV_REPLICA_ID]!r} and {ENV_NUM_GROUPS}={os.environ[ENV_NUM_GROUPS]!r}"
-                " must be integers."
-            ) from None
+            raise ValueError(f"{ENV_REPLICA_ID}={os.environ[ENV_REPLICA_ID]!r} and {ENV_NUM_GROUPS}="
+                             f"{os.environ[ENV_NUM_GROUPS]!r} must be integers.") from None
         if not 0 <= rid < num:
             raise ValueError(f"{ENV_REPLICA_ID}={rid} must be in [0, {ENV_NUM_GROUPS}={num}).")
+        address = urllib.parse.urlsplit(os.environ[ENV_LIGHTHOUSE])  # torchft waits out its whole timeout on a malformed one
+        if address.scheme not in ("http", "https") or not address.hostname or address.port is None:
+            raise ValueError(f"{ENV_LIGHTHOUSE}={os.environ[ENV_LIGHTHOUSE]!r} is not an address http://<host>:<port>"
+                             " (as `llmpar lighthouse` prints it).")
         return cls(rid, num, os.environ[ENV_LIGHTHOUSE])
 
 
@@ -183,13 +186,11 @@ class ReplicaGroups:
                 f" configures {len(strategy.optimizers)}."
             )
         self.env, self.trainer, self.strategy, self.diloco = env, trainer, strategy, diloco
-        self.committed_steps = 0
-        self.uncommitted_steps = 0
+        self.committed_steps, self.uncommitted_steps = 0, 0
         self._pg = ProcessGroupGloo(timeout=timeout)  # the gloo group across replica groups, rebuilt at each new quorum
         self.manager = Manager(
             pg=self._pg,
-            load_state_dict=self._load_state_dict,
-            state_dict=self._state_dict,
+            load_state_dict=self._load_state_dict, state_dict=self._state_dict,
             min_replica_size=1,
             # A synchronous quorum heals a restarted group before its forward, so its gradients count that very
             # step (the asynchronous one overlaps the RPC with the forward but leaves a healing group out).
@@ -199,8 +200,7 @@ class ReplicaGroups:
             timeout=timeout,
             quorum_timeout=timeout,
             connect_timeout=timeout,
-            rank=strategy.global_rank,
-            world_size=strategy.world_size,
+            rank=strategy.global_rank, world_size=strategy.world_size,
             store_addr=os.environ["MASTER_ADDR"],
             store_port=int(os.environ["MASTER_PORT"]),
             lighthouse_addr=env.lighthouse,

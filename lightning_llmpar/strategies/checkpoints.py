@@ -13,6 +13,7 @@ from typing import Any
 
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.optim import Optimizer
@@ -85,6 +86,8 @@ class CheckpointingStrategy(PreemptionHooks, AsyncSaveHooks, MeshStrategy):
             raise ValueError(f"Checkpoint {path} cannot be loaded: {problem}.")
         if note is not None:
             rank_zero_warn(note)
+        if self.options.diloco is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            rank_zero_warn(RESUMED_DILOCO)
         trusted = self.options.checkpoint_weights_only if weights_only is None else weights_only
         return self._backend.load_checkpoint(path, trusted)
 
@@ -115,6 +118,16 @@ class CheckpointingStrategy(PreemptionHooks, AsyncSaveHooks, MeshStrategy):
                 " Move them, give the callback another dirpath, or leave enable_version_counter on (a free name is"
                 " then taken)."
             )
+
+
+# The state torchft's DiLoCo keeps (the outer optimizer, the weights of the last sync) is handed to a healing group,
+# not to Lightning's checkpoint.
+RESUMED_DILOCO = (
+    "Resuming a data_parallel_sync='diloco' run: checkpoints hold each group's weights and inner optimizer, not DiLoCo's"
+    " outer optimizer, so its Nesterov momentum starts again from zero and the run goes on from there, not as the"
+    " uninterrupted run would. Resume every group from checkpoints of the same sync step (every_n_train_steps a"
+    " multiple of diloco_every)."
+)
 
 
 def _last_over_foreign_files(trainer: Any) -> list[tuple[Any, str]]:

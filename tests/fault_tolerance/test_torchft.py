@@ -103,8 +103,13 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
         ({"fault_tolerance": "torchft", "data_parallel_replicate": 2}, {}, "leave data_parallel_replicate"),
         ({"fault_tolerance": "torchft"}, {"REPLICA_GROUP_ID": None}, "needs REPLICA_GROUP_ID"),
         ({"fault_tolerance": "torchft"}, {"REPLICA_GROUP_ID": "2"}, r"must be in \[0, NUM_REPLICA_GROUPS=2\)"),
+        # torchft waited out its whole timeout (2 minutes here) on an address without its scheme.
+        ({"fault_tolerance": "torchft"}, {"TORCHFT_LIGHTHOUSE": "127.0.0.1:29510"}, "is not an address http://"),
         ({"data_parallel_sync": "diloco"}, {}, "which fault_tolerance='torchft' provides"),
         ({"diloco_every": 10}, {}, "set data_parallel_sync='diloco'"),
+        ({"diloco_outer_lr": 0.5}, {}, r"diloco_outer_lr=0\.5 given but data_parallel_sync='every_step'"),
+        ({"fault_tolerance": "torchft", "data_parallel_sync": "diloco", "diloco_outer_lr": float("nan")}, {},
+         "must be a positive number"),
         ({"fault_tolerance": "torchft", "data_parallel_sync": "diloco", "diloco_every": 0}, {}, "positive integer"),
         ({"fault_tolerance": "torchft", "data_parallel_sync": "diloco", "diloco_outer_momentum": 1.0}, {},
          r"must be in \[0, 1\)"),
