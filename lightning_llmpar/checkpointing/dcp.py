@@ -43,6 +43,7 @@ from lightning_llmpar.checkpointing.safe_read import (
     safe_torch_load,
 )
 from lightning_llmpar.checkpointing.scan import META_FILE, checkpoint_problem, legacy_note
+from lightning_llmpar.checkpointing.shared import check_shared_folder
 from lightning_llmpar.modeling.packing import Packing, canonical_view, unwrap
 
 __all__ = [
@@ -231,13 +232,14 @@ def write_atomically(
     broadcast: Callable[[Any], Any] | None = None,
     kind: str = "dcp",
     lineage: str | None = None,
+    agree: Callable[[bool], bool] | None = None,  # all ranks' AND of a flag (the shared-folder check)
 ) -> Path:
     """Run ``write(staging_folder)`` on every rank; the result appears under ``path`` only once complete.
 
     Shared by every checkpoint format (DCP here, DeepSpeed's engine in its backend): a crash at any instant leaves
     the previous checkpoint or the new one, complete, under ``path`` or recoverable into it. A ``path`` holding
-    files this library did not write is refused on every rank (``broadcast`` carries rank 0's verdict).
-    """
+    files this library did not write is refused on every rank (``broadcast`` carries rank 0's verdict), as is one
+    some rank cannot see (``checkpointing.shared``)."""
     path = Path(path).expanduser()
     problem = replace_problem(path) if is_rank_zero else None
     if broadcast is not None:
@@ -248,6 +250,7 @@ def write_atomically(
         prepare_staging(path)
     barrier()
     staging = staging_path(path)
+    check_shared_folder(staging, is_rank_zero=is_rank_zero, broadcast=broadcast, agree=agree)
     write(staging)
     barrier()
     if is_rank_zero:

@@ -74,7 +74,7 @@ class CheckpointingStrategy(PreemptionHooks, AsyncSaveHooks, MeshStrategy):
             return
         ckpt.write_atomically(  # a path holding files this library did not write is refused on every rank
             path, lambda staging: self._backend.write_checkpoint(staging, meta), is_rank_zero=self.is_global_zero,
-            barrier=self.barrier, broadcast=self.broadcast, kind=kind, lineage=lineage,
+            barrier=self.barrier, broadcast=self.broadcast, kind=kind, lineage=lineage, agree=self.reduce_boolean_decision,
         )
 
     @override

@@ -11,7 +11,7 @@ import torch
 from lightning_llmpar import export_consolidated
 from lightning_llmpar.checkpointing.dcp import is_checkpoint
 from tests.distributed import run_ranks
-from tests.workloads import fit, make_gpt
+from tests.workloads import fit, fit_error, make_gpt
 
 GLOBAL_BATCH, SAMPLES = 16, 80  # 5 steps per epoch: the checkpoint falls on an epoch boundary
 
@@ -92,3 +92,23 @@ def test_export_consolidated_loads_into_a_plain_module(
     module.load_state_dict(state, strict=True)
     for name, param in module.named_parameters():
         torch.testing.assert_close(param.detach(), outs[0]["params"][name], atol=0, rtol=0)
+
+
+def _save_from_a_folder_of_each_rank(root: str) -> str | None:
+    """Each rank in a folder of its own and a relative checkpoint path: what one path on each node's own disk is."""
+    import os
+
+    rank = int(os.environ["RANK"])
+    folder = Path(root) / f"node{rank}"
+    folder.mkdir()
+    os.chdir(folder)
+    return fit_error("gpt", {"zero_stage": 3}, batch_size=8, steps=1, save_to="a.ckpt")
+
+
+def test_a_checkpoint_folder_some_rank_cannot_see_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    # Rank 0 committed its own shards and checksummed them as the whole checkpoint; rank 1's stayed in a staging
+    # folder on its own "disk"; only a resume found it out (a periodic ModelCheckpoint wrote unusable checkpoints
+    # all run long).
+    errors = run_ranks(_save_from_a_folder_of_each_rank, 2, str(tmp_path))
+    assert all(e is not None and "Save to a folder every node shares" in e for e in errors), errors
+    assert [sorted(p.name for p in (tmp_path / f"node{r}").iterdir()) for r in (0, 1)] == [[], []]
