@@ -473,3 +473,6 @@ def test_a_launcher_world_other_than_devices_times_nodes_is_refused(monkeypatch:
         Trainer(accelerator="cpu", devices=2, num_nodes=1, strategy=LLMParallelStrategy(**strategy), logger=False)
     trainer = Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=LLMParallelStrategy(**strategy), logger=False)
     assert str(trainer.strategy.layout).startswith("dp_replicate=2 x dp_shard=2"), trainer.strategy.layout
+    # Tensor parallelism over more ranks than a node has runs, but says so.
+    with pytest.warns(UserWarning, match=r"tensor_parallel=4 does not divide devices=2 per node"):
+        Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=LLMParallelStrategy(tensor_parallel=4), logger=False)

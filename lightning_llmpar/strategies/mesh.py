@@ -19,7 +19,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -85,12 +85,24 @@ class MeshStrategy(ParallelStrategy):
             # sharding asked over 2 nodes ran as full sharding over 4 ranks), or named the wrong world size.
             self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
             self._layout = self._build_layout(self.num_nodes * self.num_processes)
+            self._warn_tensor_parallel_across_nodes()
             return
         self._layout = self._build_layout(self.num_nodes * self.num_processes)
+        self._warn_tensor_parallel_across_nodes()
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def _warn_tensor_parallel_across_nodes(self) -> None:
+        # Tensor-parallel ranks are adjacent: a degree the devices per node do not divide puts a group's every-block
+        # collectives on the link between nodes (allowed, but rarely meant).
+        tp = self.layout.tp
+        if self.num_nodes > 1 and self.num_processes % tp:
+            rank_zero_warn(f"tensor_parallel={tp} does not divide devices={self.num_processes} per node: some"
+                           " tensor-parallel groups span two nodes, and their collectives in every block cross the"
+                           " network. Keep tensor_parallel a divisor of the devices per node (pipeline or data"
+                           " parallelism across nodes).")
 
     @override
     def setup_environment(self) -> None:
