@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_llmpar.data import ordered_loader
 from lightning_llmpar.planner.candidate import Candidate
+from lightning_llmpar.training.steps import ends_a_step
 
 __all__ = ["HostMemoryPeak", "MeasuredPeak", "StepTimes", "host_bytes_in_use", "measure_layout"]
 
@@ -110,7 +111,6 @@ class StepTimes(Callback):
     def __init__(self) -> None:
         self.seconds: list[float] = []
         self._start: float | None = None
-        self._batches = 0
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._start is None:
@@ -118,8 +118,7 @@ class StepTimes(Callback):
             self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        self._batches += 1
-        if self._batches % trainer.accumulate_grad_batches:
+        if not ends_a_step(trainer):
             return
         self.seconds.append(time.perf_counter() - self._start)  # type: ignore[operator]
         self._start = None
