@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from lightning_llmpar.checkpointing.dcp import META_FILE, commit_staging, prepare_staging, replace_problem, staging_path
+from lightning_llmpar.checkpointing.shared import check_shared_folder
 
 __all__ = ["AsyncCheckpointer", "AsyncSaveHooks", "CheckpointWriteError"]
 
@@ -104,14 +105,18 @@ class AsyncCheckpointer:
         is_rank_zero: bool,
         barrier: Callable[[], None],
         lineage: str | None = None,
+        broadcast: Callable[[Any], Any] | None = None,
+        agree: Callable[[bool], bool] | None = None,
     ) -> None:
         """Start saving to ``path``: ``state(staging)`` writes this rank's small side files into the staging folder
-        and returns the DCP state dict to write in the background; ``meta`` goes into ``meta.pt`` at commit."""
+        and returns the DCP state dict to write in the background; ``meta`` goes into ``meta.pt`` at commit. With
+        ``broadcast`` and ``agree``, a folder some rank cannot see is refused first (``checkpointing.shared``)."""
         self.wait()
         self._start()
         assert self._stager is not None and self._finisher is not None
         staging = prepare_staging(path) if is_rank_zero else staging_path(path)
         barrier()  # the stale staging folder is gone before any rank writes into it
+        check_shared_folder(staging, is_rank_zero=is_rank_zero, broadcast=broadcast, agree=agree)
         staging.mkdir(parents=True, exist_ok=True)
         tensors = state(staging)
         meta_bytes = b""
@@ -228,7 +233,7 @@ class AsyncSaveHooks:
         if problem is not None:  # refused on every rank, as a synchronous save is
             raise ValueError(problem)
         self._async_saves.save(path, state, meta, is_rank_zero=strategy.is_global_zero, barrier=strategy.barrier,
-                               lineage=lineage)
+                               lineage=lineage, broadcast=strategy.broadcast, agree=strategy.reduce_boolean_decision)
         return True
 
     def _wait_for_saves(self) -> None:

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from lightning_llmpar import LLMParallelStrategy
 from lightning_llmpar.fault_tolerance.callbacks import checkpoint_problem
 from tests.distributed import run_ranks
+from tests.workloads import fit_error
 from tests.fault_tolerance.test_fault_tolerance import _assert_same_run, committed_samples, run_until_done
 
 LAYOUTS = {
@@ -179,3 +180,33 @@ def test_saves_after_the_first_work_where_torch_closes_its_stager_after_each_sta
     background save (``KeyError: <class 'type'>``, seen on a GPU machine). That behaviour, replayed here on the
     installed torch in a rank of its own: every save must still commit."""
     assert run_ranks(_saves_through_a_stager_closed_after_staging, 1, str(tmp_path)) == [[None, None, None]]
+
+
+
+def _save_in_background_from_a_folder_of_each_rank(root: str) -> str | None:
+    """Each rank in a folder of its own saves to a relative path inside the fit loop: what one path on each node's
+    own disk is (a ModelCheckpoint would broadcast rank 0's absolute folder, which every process here can reach)."""
+    from lightning.pytorch import Callback, Trainer
+
+    rank = int(os.environ["RANK"])
+    folder = Path(root) / f"node{rank}"
+    folder.mkdir()
+    os.chdir(folder)
+
+    class SaveAtStep2(Callback):
+        def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+            if trainer.global_step == 2:
+                trainer.save_checkpoint("a.ckpt")
+
+    return fit_error("gpt", {"zero_stage": 3, "async_checkpoint": True}, batch_size=8, steps=4,
+                     callbacks_extra=[SaveAtStep2()])
+
+
+def test_a_background_save_to_a_folder_some_rank_cannot_see_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    # As for synchronous saves: rank 0 would commit its own shards as the whole checkpoint, rank 1's staying on
+    # its own disk, and every later background save would do the same.
+    errors = run_ranks(_save_in_background_from_a_folder_of_each_rank, 2, str(tmp_path), timeout=300)
+    assert all(e is not None and "Save to a folder every node shares" in e for e in errors), errors
+    assert [sorted(p.name for p in (tmp_path / f"node{r}").iterdir()) for r in (0, 1)] == [[], []]
