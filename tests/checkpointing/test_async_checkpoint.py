@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from lightning_llmpar import LLMParallelStrategy
 from lightning_llmpar.fault_tolerance.callbacks import checkpoint_problem
 from tests.distributed import run_ranks
-from tests.workloads import fit_error
 from tests.fault_tolerance.test_fault_tolerance import _assert_same_run, committed_samples, run_until_done
+from tests.workloads import fit_error
 
 LAYOUTS = {
     "dp2_zero3": ({"zero_stage": 3}, 8, (0, 1)),
