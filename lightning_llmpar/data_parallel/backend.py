@@ -27,6 +27,7 @@ from lightning_llmpar.callbacks.summary import summarize_whole_model
 from lightning_llmpar.checkpointing import dcp as ckpt
 from lightning_llmpar.compose import Composed
 from lightning_llmpar.data_parallel.replicate import prepare_manual_backward
+from lightning_llmpar.fault_tolerance.diloco import OUTER_STATE, keep_outer_settings
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.pipeline.runner import PipelineRunner
 from lightning_llmpar.precision.plugins import mesh_precision
@@ -270,10 +271,19 @@ class FSDP2Backend(ShardingBackend):
     def _raw_optimizers(self) -> list[Optimizer]:
         return [getattr(opt, "_optimizer", opt) for opt in self.strategy.optimizers]
 
+    def _saved_optimizers(self, meta: dict[str, Any]) -> list[Optimizer]:
+        """The optimizers a checkpoint holds: the module's, then DiLoCo's outer one once it has state (its momentum,
+        from the first sync on). ``meta`` records which (``OUTER_STATE``: None without DiLoCo)."""
+        if not meta["llmpar_optimizer_state"]:
+            return []
+        outer = getattr(self.strategy, "outer_optimizer", None)
+        meta[OUTER_STATE] = None if outer is None else bool(outer.state)
+        return self._raw_optimizers() + ([outer] if meta[OUTER_STATE] else [])
+
     def write_checkpoint(self, folder: Path, meta: dict[str, Any]) -> None:
         s, composed = self.strategy, self.composed
         assert s.model is not None and composed is not None
-        optimizers = self._raw_optimizers() if meta["llmpar_optimizer_state"] else []
+        optimizers = self._saved_optimizers(meta)
         ckpt.write_distributed(
             folder, s.model, optimizers, meta, is_rank_zero=s.is_global_zero, aliases=self.aliases(),
             packings=composed.parallelized.packings,
@@ -286,7 +296,7 @@ class FSDP2Backend(ShardingBackend):
         assert s.model is not None and composed is not None
         if composed.compression is not None:  # small and per rank: written now, before the background write starts
             composed.compression.save(folder, s.global_rank)
-        optimizers = self._raw_optimizers() if meta["llmpar_optimizer_state"] else []
+        optimizers = self._saved_optimizers(meta)
         return ckpt._tensor_state(s.model, optimizers, self.aliases(), composed.parallelized.packings)
 
     def load_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
@@ -295,11 +305,16 @@ class FSDP2Backend(ShardingBackend):
         module = s.lightning_module
         fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
         optimizers = self._raw_optimizers() if fitting else []
+        outer = getattr(s, "outer_optimizer", None) if fitting else None
+        if outer is not None and ckpt.read_meta(path, weights_only).get(OUTER_STATE):
+            optimizers.append(outer)
         with keep_kernels(optimizers):
             meta = ckpt.load_checkpoint(
                 path, s.model, optimizers, aliases=self.aliases(), packings=composed.parallelized.packings,
                 weights_only=weights_only, strict=getattr(module, "strict_loading", True), verify=False,
             )  # the strategy verified the folder once, on rank 0
+        if outer is not None:
+            keep_outer_settings(outer)
         if composed.compression is not None:
             composed.compression.load(path, s.global_rank, s.root_device)
         self._weights_in_place()

@@ -25,9 +25,13 @@ if TYPE_CHECKING:
     from torchft import Manager
     from torchft.local_sgd import DiLoCo
 
-__all__ = ["DATA_PARALLEL_SYNC", "DiLoCoConfig", "check_data_parallel_sync", "start_diloco"]
+__all__ = [
+    "DATA_PARALLEL_SYNC", "OUTER_STATE", "DiLoCoConfig", "check_data_parallel_sync", "keep_outer_settings",
+    "outer_optimizer", "start_diloco",
+]
 
 DATA_PARALLEL_SYNC = ("every_step", "diloco")
+OUTER_STATE = "llmpar_diloco_outer"  # a checkpoint's meta: its outer optimizer state saved (True), none yet (False)
 DEFAULT_EVERY = 50
 
 
@@ -68,7 +72,23 @@ def check_data_parallel_sync(a: dict[str, Any]) -> DiLoCoConfig | None:
     return DiLoCoConfig(every, float(lr), float(momentum))
 
 
-def start_diloco(manager: Manager, model: nn.Module, inner: torch.optim.Optimizer, config: DiLoCoConfig) -> DiLoCo:
+def outer_optimizer(model: nn.Module, config: DiLoCoConfig) -> torch.optim.SGD:
+    """The outer optimizer, made at set-up: checkpoints hold its momentum (from the first sync on), and a resumed run
+    loads it before the first step starts DiLoCo."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD(params, lr=config.outer_lr, momentum=config.outer_momentum,
+                           nesterov=config.outer_momentum > 0)
+
+
+def keep_outer_settings(outer: torch.optim.Optimizer) -> None:
+    """After a checkpoint's state was loaded into ``outer``: its learning rate and momentum are the strategy's
+    (``diloco_outer_lr``, ``diloco_outer_momentum``), not the ones saved; only the momentum buffers carry over."""
+    for group in outer.param_groups:
+        group.update({k: outer.defaults[k] for k in ("lr", "momentum", "nesterov")})
+
+
+def start_diloco(manager: Manager, model: nn.Module, inner: torch.optim.Optimizer, outer: torch.optim.Optimizer,
+                 config: DiLoCoConfig) -> DiLoCo:
     """torchft's DiLoCo over the whole model as one fragment, its hooks on ``inner``: entered, ready to train."""
     from torchft.local_sgd import DiLoCo, extract_local_tensor
 
@@ -95,9 +115,6 @@ def start_diloco(manager: Manager, model: nn.Module, inner: torch.optim.Optimize
             " stopped at different steps hold different weights; resume every group from the same step's, or copy"
             " one group's to all."
         )
-    params = [p for p in model.parameters() if p.requires_grad]
-    outer = torch.optim.SGD(params, lr=config.outer_lr, momentum=config.outer_momentum,
-                            nesterov=config.outer_momentum > 0)
     # The backup of the last synced weights stays in CPU memory (torchft's default); pinned only beside a GPU.
     diloco = DiLoCo(manager, [model], inner, outer, sync_every=config.every, backup_device=torch.device("cpu"),
                     pin_memory=torch.cuda.is_available())

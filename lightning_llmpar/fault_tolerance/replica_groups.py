@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor import DTensor
 
-from lightning_llmpar.fault_tolerance.diloco import DiLoCoConfig, start_diloco
+from lightning_llmpar.fault_tolerance.diloco import DiLoCoConfig, outer_optimizer, start_diloco
 from lightning_llmpar.training.logged_loss import shadowed
 
 if TYPE_CHECKING:
@@ -207,6 +207,7 @@ class ReplicaGroups:
             replica_id=f"llmpar_group_{env.replica_id}",
         )
         self._local_sgd: Any = None  # DiLoCo: started at the first optimizer step
+        self.outer = outer_optimizer(strategy.model, diloco) if diloco is not None else None  # checkpointed
         self._hooks = ExitStack()  # the module's hooks this run replaces, put back at shutdown
         self._discarded = False  # the optimizer step just taken was not committed
         if diloco is None:
@@ -265,8 +266,6 @@ class ReplicaGroups:
                 time.sleep(0.2)
         self.strategy.barrier("llmpar_replica_groups_start")
 
-    # ------------------------------------------------------------------ data
-
     def sampler_kwargs(self, within_group: dict[str, Any]) -> dict[str, Any]:
         # Group g takes the shards one job with G x dp data-parallel ranks would give its ranks g*dp .. g*dp+dp-1.
         dp = within_group["num_replicas"]
@@ -282,7 +281,7 @@ class ReplicaGroups:
                 # Started at the first step, not at set-up: its backup of the last synced weights must hold what
                 # training starts from (a checkpoint is restored after set-up), and its first quorum, which gives
                 # every group the first group's weights, must meet the other groups where they start to train.
-                self._local_sgd = start_diloco(self.manager, self.strategy.model, optimizer, self.diloco)
+                self._local_sgd = start_diloco(self.manager, self.strategy.model, optimizer, self.outer, self.diloco)
             return closure  # gradients stay in the group; the weights are averaged every `diloco.every` steps
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
 

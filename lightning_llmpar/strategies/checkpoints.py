@@ -24,6 +24,7 @@ from lightning_llmpar.checkpointing.async_save import AsyncSaveHooks
 from lightning_llmpar.checkpointing.manifest import LINEAGE_KEY, foreign_files, remove_owned
 from lightning_llmpar.data_parallel.backend import ShardingBackend
 from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint, recover_folder
+from lightning_llmpar.fault_tolerance.diloco import OUTER_STATE
 from lightning_llmpar.fault_tolerance.preemption import PreemptionHooks
 from lightning_llmpar.strategies.mesh import MeshStrategy
 
@@ -86,10 +87,19 @@ class CheckpointingStrategy(PreemptionHooks, AsyncSaveHooks, MeshStrategy):
             raise ValueError(f"Checkpoint {path} cannot be loaded: {problem}.")
         if note is not None:
             rank_zero_warn(note)
-        if self.options.diloco is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            rank_zero_warn(RESUMED_DILOCO)
         trusted = self.options.checkpoint_weights_only if weights_only is None else weights_only
-        return self._backend.load_checkpoint(path, trusted)
+        meta = self._backend.load_checkpoint(path, trusted)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        from_another_sync = meta.get("llmpar_optimizer_state", True) and meta.get(OUTER_STATE) is None
+        if self.options.diloco is not None and fitting and from_another_sync:
+            rank_zero_warn(RESUMED_DILOCO)
+        return meta
+
+    @property
+    def outer_optimizer(self) -> Optimizer | None:
+        """DiLoCo's outer optimizer (``data_parallel_sync='diloco'``), saved and loaded beside the module's."""
+        replicas = getattr(self, "_replicas", None)  # LLMParallelStrategy's replica groups (fault_tolerance)
+        return None if replicas is None else replicas.outer
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -120,13 +130,9 @@ class CheckpointingStrategy(PreemptionHooks, AsyncSaveHooks, MeshStrategy):
             )
 
 
-# The state torchft's DiLoCo keeps (the outer optimizer, the weights of the last sync) is handed to a healing group,
-# not to Lightning's checkpoint.
 RESUMED_DILOCO = (
-    "Resuming a data_parallel_sync='diloco' run: checkpoints hold each group's weights and inner optimizer, not DiLoCo's"
-    " outer optimizer, so its Nesterov momentum starts again from zero and the run goes on from there, not as the"
-    " uninterrupted run would. Resume every group from checkpoints of the same sync step (every_n_train_steps a"
-    " multiple of diloco_every)."
+    "Resuming a data_parallel_sync='diloco' run from a checkpoint a run without it saved: DiLoCo's outer optimizer"
+    " starts from these weights with no Nesterov momentum. Resume every replica group from the same step's checkpoint."
 )
 
 

@@ -290,6 +290,38 @@ def test_diloco_groups_part_between_syncs_and_meet_at_each(tmp_path: Path, light
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
 
+def test_diloco_resumed_at_a_sync_step_goes_on_as_the_uninterrupted_run(tmp_path: Path, lighthouse: str) -> None:
+    """H=2 with the default outer Nesterov momentum: groups stopped after step 4 (a sync, checkpointed) and resumed
+    to step 6 end where the uninterrupted groups end. Without the outer momentum in the checkpoint the resumed
+    run restarted it from zero (0.07 off after the next sync)."""
+    from torchft.coordination import LighthouseServer
+
+    diloco = ("--diloco-every", "2")
+    groups = Groups(tmp_path, lighthouse)
+    servers = []
+    try:
+        for tag, steps, extra in (("full", "6", ()), ("run", "4", ("--checkpoint-every", "2")),
+                                  ("resume", "6", ("--checkpoint-every", "2", "--resume"))):
+            if tag != "full":  # each phase its own lighthouse: no quorum state of the last phase's groups
+                servers.append(LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000,
+                                                heartbeat_timeout_ms=3_000))
+                groups.lighthouse = f"http://127.0.0.1:{servers[-1].address().rsplit(':', 1)[1]}"
+            procs = [groups.start(g, "--steps", steps, "--wait-ready", f"{other}_{tag}", "--tag", tag, *diloco, *extra)
+                     for g, other in (("0", "1"), ("1", "0"))]
+            assert [groups.wait(p) for p in procs] == [0, 0], groups.logs()
+    finally:
+        groups.close()
+        for server in servers:
+            server.shutdown()
+    assert "outer optimizer starts" not in groups.logs()
+    for g in "01":
+        assert [r["global_step"] for r in _rows(tmp_path / f"{g}_resume.jsonl")] == [5, 6]
+    full, resumed = _weights(tmp_path / "0_full.pt"), _weights(tmp_path / "0_resume.pt")
+    for k in full:
+        torch.testing.assert_close(resumed[k], full[k], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(resumed[k], _weights(tmp_path / "1_resume.pt")[k], rtol=0, atol=0)
+
+
 def test_a_group_restarted_into_running_diloco_is_refused_and_the_other_goes_on(tmp_path: Path, lighthouse: str) -> None:
     # The restarted group took part in the survivor's sync quorum and all-reduced its weights' checksum against the
     # survivor's pseudo-gradients: a native abort in gloo (size mismatch) instead of the documented refusal.
