@@ -14,15 +14,12 @@ shard of the epoch again (see docs/fault-tolerance.md).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import time
-import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -31,74 +28,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.tensor import DTensor
 
 from lightning_llmpar.fault_tolerance.diloco import DiLoCoConfig, outer_optimizer, start_diloco
+from lightning_llmpar.fault_tolerance.replica_env import ReplicaGroupEnv
 from lightning_llmpar.training.logged_loss import shadowed
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torchft import Manager
 
-__all__ = ["CommitOnQuorum", "ReplicaGroupEnv", "ReplicaGroups", "check_fault_tolerance"]
-
-FAULT_TOLERANCE = ("torchft",)
-ENV_REPLICA_ID, ENV_NUM_GROUPS, ENV_LIGHTHOUSE = "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"
-
-
-@dataclass(frozen=True)
-class ReplicaGroupEnv:
-    """Which replica group this job is, of how many, and where the lighthouse listens (from the environment)."""
-
-    replica_id: int
-    num_groups: int
-    lighthouse: str
-
-    @classmethod
-    def from_env(cls) -> ReplicaGroupEnv:
-        missing = [k for k in (ENV_REPLICA_ID, ENV_NUM_GROUPS, ENV_LIGHTHOUSE) if not os.environ.get(k)]
-        if missing:
-            raise ValueError(
-                f"fault_tolerance='torchft' needs {', '.join(missing)} in the environment: each replica group is its"
-                f" own job, started with {ENV_REPLICA_ID}=<0..G-1> {ENV_NUM_GROUPS}=<G> {ENV_LIGHTHOUSE}=http://<host>:<port>"
-                " (the address `llmpar lighthouse` or `torchft_lighthouse` prints)."
-            )
-        try:
-            rid, num = int(os.environ[ENV_REPLICA_ID]), int(os.environ[ENV_NUM_GROUPS])
-        except ValueError:
-            raise ValueError(f"{ENV_REPLICA_ID}={os.environ[ENV_REPLICA_ID]!r} and {ENV_NUM_GROUPS}="
-                             f"{os.environ[ENV_NUM_GROUPS]!r} must be integers.") from None
-        if not 0 <= rid < num:
-            raise ValueError(f"{ENV_REPLICA_ID}={rid} must be in [0, {ENV_NUM_GROUPS}={num}).")
-        address = urllib.parse.urlsplit(os.environ[ENV_LIGHTHOUSE])  # torchft waits out its whole timeout on a malformed one
-        if address.scheme not in ("http", "https") or not address.hostname or address.port is None:
-            raise ValueError(f"{ENV_LIGHTHOUSE}={os.environ[ENV_LIGHTHOUSE]!r} is not an address http://<host>:<port>"
-                             " (as `llmpar lighthouse` prints it).")
-        return cls(rid, num, os.environ[ENV_LIGHTHOUSE])
-
-
-def check_fault_tolerance(a: dict[str, Any]) -> str | None:
-    """Check ``fault_tolerance`` against the other strategy arguments ``a``; what has not been tested is refused."""
-    ft = a["fault_tolerance"]
-    if ft is None:
-        return None
-    if ft not in FAULT_TOLERANCE:
-        raise ValueError(f"`fault_tolerance` must be None or one of {FAULT_TOLERANCE}, got {ft!r}.")
-    untested = {
-        "pipeline_parallel": a["pipeline_parallel"] != 1, "tensor_parallel": a["tensor_parallel"] != 1,
-        "context_parallel": a["context_parallel"] != 1, "expert_parallel": a["expert_parallel"] != 1,
-        "data_parallel_replicate": a["data_parallel_replicate"] not in ("auto", 1),
-        "sharding_backend": a["sharding_backend"] != "fsdp2", "gradient_compression": a["gradient_compression"] is not None,
-        "loss_normalization": a["loss_normalization"] != "mean",
-    }
-    given = sorted(k for k, v in untested.items() if v)
-    if given:
-        raise ValueError(
-            f"fault_tolerance='torchft' supports data parallelism (plain or ZeRO with the fsdp2 backend) inside each"
-            f" replica group; {', '.join(f'{k}={a[k]!r}' for k in given)} is not supported with it yet. The replica"
-            " groups themselves are the replicate axis: leave data_parallel_replicate at 'auto'."
-        )
-    if importlib.util.find_spec("torchft") is None:
-        raise ValueError("fault_tolerance='torchft' needs the torchft package: pip install 'lightning_llmpar[ft]'.")
-    ReplicaGroupEnv.from_env()
-    return ft
+__all__ = ["CommitOnQuorum", "ReplicaGroups"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -166,9 +103,10 @@ class CommitOnQuorum(torch.optim.Optimizer):
 class ReplicaGroups:
     """This job's torchft manager and what the strategy asks of it (sampler shard, gradient average, shutdown)."""
 
-    def __init__(self, strategy: Any, trainer: pl.Trainer, env: ReplicaGroupEnv, timeout: timedelta,
-                 diloco: DiLoCoConfig | None = None) -> None:
+    def __init__(self, strategy: Any, trainer: pl.Trainer, timeout: timedelta, diloco: DiLoCoConfig | None = None) -> None:
         from torchft import Manager, ProcessGroupGloo
+
+        env = ReplicaGroupEnv.from_env()
 
         if strategy.root_device.type != "cpu":
             raise ValueError(
@@ -199,10 +137,9 @@ class ReplicaGroups:
             init_sync=diloco is None,
             timeout=timeout,
             quorum_timeout=timeout,
-            connect_timeout=timeout,
+            connect_timeout=env.connect_timeout or timeout,
             rank=strategy.global_rank, world_size=strategy.world_size,
-            store_addr=os.environ["MASTER_ADDR"],
-            store_port=int(os.environ["MASTER_PORT"]),
+            store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
             lighthouse_addr=env.lighthouse,
             replica_id=f"llmpar_group_{env.replica_id}",
         )

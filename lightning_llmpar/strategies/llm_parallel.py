@@ -25,7 +25,7 @@ from lightning_llmpar.data_parallel.backend import BackendContext, FSDP2Backend,
 from lightning_llmpar.data_parallel.deepspeed import DeepSpeedBackend
 from lightning_llmpar.data_parallel.fsdp import no_gradient_sync
 from lightning_llmpar.data_parallel.replicate import ManualBackwardRedirection
-from lightning_llmpar.fault_tolerance.replica_groups import ReplicaGroupEnv, ReplicaGroups
+from lightning_llmpar.fault_tolerance.replica_groups import ReplicaGroups
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.pipeline.check import step_on_one_sample
 from lightning_llmpar.pipeline.runner import PipelineRunner
@@ -250,8 +250,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
         assert self._dp_mesh is not None
         self._backend.setup(trainer, BackendContext(self.layout, self.device_mesh, self._dp_mesh, self.options, self._composed))
         if self.options.fault_tolerance == "torchft":
-            self._replicas = ReplicaGroups(self, trainer, ReplicaGroupEnv.from_env(), self._timeout or default_pg_timeout,
-                                           self.options.diloco)
+            self._replicas = ReplicaGroups(self, trainer, self._timeout or default_pg_timeout, self.options.diloco)
 
     def _setup_context(self, trainer: pl.Trainer) -> SetupContext:
         checkpointing = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)

@@ -12,7 +12,7 @@ from lightning_llmpar.checkpointing.litgpt_checkpoint import check_litgpt_direct
 from lightning_llmpar.context_parallel.attention import MODES as CP_MODES
 from lightning_llmpar.data_parallel.compression.methods import CompressionConfig
 from lightning_llmpar.fault_tolerance.diloco import DiLoCoConfig, check_data_parallel_sync
-from lightning_llmpar.fault_tolerance.replica_groups import check_fault_tolerance
+from lightning_llmpar.fault_tolerance.replica_env import check_fault_tolerance
 from lightning_llmpar.layout import ZERO_STAGES
 from lightning_llmpar.pipeline.setup import ZERO_BUBBLE_SCHEDULES, PipelineConfig
 from lightning_llmpar.training.loss_normalization import count_target_tokens

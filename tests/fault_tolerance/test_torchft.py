@@ -111,6 +111,8 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
         ({"fault_tolerance": "torchft", "data_parallel_sync": "diloco", "diloco_outer_lr": float("nan")}, {},
          "must be a positive number"),
         ({"fault_tolerance": "torchft", "data_parallel_sync": "diloco", "diloco_every": 0}, {}, "positive integer"),
+        ({"fault_tolerance": "torchft"}, {"TORCHFT_QUORUM_TIMEOUT_SEC": "2.5"},
+         r"TORCHFT_QUORUM_TIMEOUT_SEC='2\.5' must be a positive whole number of seconds"),
         ({"fault_tolerance": "torchft", "data_parallel_sync": "diloco", "diloco_outer_momentum": 1.0}, {},
          r"must be in \[0, 1\)"),
     ],
@@ -214,6 +216,20 @@ def test_killed_group_is_dropped_then_heals(tmp_path: Path, lighthouse: str, ran
     a, b = _weights(tmp_path / "0_run.pt"), _weights(tmp_path / "1_restart.pt")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_a_lighthouse_address_nothing_listens_on_is_reported_within_the_connect_timeout(tmp_path: Path) -> None:
+    # torchft applied TORCHFT_CONNECT_TIMEOUT_SEC to its recoveries only: the lighthouse connection waited out
+    # the strategy's whole timeout (30 minutes by default) before saying the address was wrong.
+    groups = Groups(tmp_path, f"http://127.0.0.1:{free_port()}")
+    try:
+        start = time.monotonic()
+        proc = groups.start("0", "--steps", "2", TORCHFT_CONNECT_TIMEOUT_SEC="3")
+        assert groups.wait(proc) == 1, groups.logs()
+        assert time.monotonic() - start < 60, groups.logs()  # start-up, 3 s, and Python's exit
+    finally:
+        groups.close()
+    assert "within timeout of 3s" in groups.logs(), groups.logs()
 
 
 def test_a_group_that_starts_alone_says_so(tmp_path: Path, lighthouse: str) -> None:
