@@ -174,9 +174,17 @@ def build_deepspeed_config(
 
 
 def check_nvme(*targets: str | None) -> None:
-    """NVMe offload needs DeepSpeed's async_io op, which only builds where libaio is installed."""
+    """An offload target is 'cpu' or an NVMe folder, given as a path ('gpu' or 'nvme' read as a folder name put
+    swap files under the working directory); NVMe needs DeepSpeed's async_io op, built only where libaio is."""
     if all(t in (None, "cpu") for t in targets):
         return
+    for target in targets:
+        if target not in (None, "cpu") and not ("/" in str(target) or Path(target).is_dir()):
+            raise ValueError(
+                f"Offload target {target!r} is neither 'cpu' nor a path to an NVMe folder: DeepSpeed offloads to host"
+                " memory ('cpu') or to swap files in a folder. Give 'cpu', or the folder as a path ('/local_nvme',"
+                " './nvme')."
+            )
     import deepspeed.ops
 
     if not deepspeed.ops.__compatible_ops__.get("async_io", False):

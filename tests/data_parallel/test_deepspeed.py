@@ -139,6 +139,8 @@ def test_user_config_is_merged() -> None:
         ({"deepspeed_config": {"train_micro_batch_size_per_gpu": 2}}, r"Remove 'train_micro_batch_size_per_gpu'"),
         ({"tensor_parallel": 2}, r"tensor_parallel=2 and pipeline_parallel=1 need sharding_backend='fsdp2'"),
         ({"zero_stage": 3, "cpu_offload": True}, r"use offload_optimizer='cpu'"),
+        # Read as an NVMe folder named 'gpu' under the working directory.
+        ({"zero_stage": 2, "offload_optimizer": "gpu"}, r"Offload target 'gpu' is neither 'cpu' nor a path"),
         ({"gradient_compression": "topk"}, r"gradient_compression='topk' is not available with sharding_backend='deepspeed'"),
     ],
 )
