@@ -161,11 +161,19 @@ def _first_block_frozen() -> LightningModule:
     return module
 
 
+def _partly_frozen() -> LightningModule:
+    """Frozen parameters beside trainable ones in the same blocks (so in the same FSDP units)."""
+    module = make_gpt()
+    module.model.layers[0].attn.q_proj.requires_grad_(False)
+    module.model.layers[1].mlp_norm.requires_grad_(False)
+    return module
+
+
 MODELS = {"gpt": make_gpt, "llama": HFLlamaModule, "llama_tied": lambda: HFLlamaModule(tie=True), "llama_hooked": _HookedLlama,
           "gpt_extra": lambda: _ExtraParameter(True), "gpt_extra_lenient": lambda: _ExtraParameter(False),
           "gpt_partly_optimized": _PartlyOptimized, "gpt_steep": _SteepLoss, "gpt_positions_in_forward": _PositionsInForward,
           "gpt_positions_at_root": _PositionsAtRoot, "gpt_without_optimizer": _without_optimizer,
-          "gpt_first_block_frozen": _first_block_frozen}
+          "gpt_first_block_frozen": _first_block_frozen, "gpt_partly_frozen": _partly_frozen}
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -171,6 +171,28 @@ def test_lossless_settings_reproduce_single_process(kwargs: dict[str, Any], worl
     assert logged["compression/residual_norm"] == 0.0
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [pytest.param({"zero_stage": 1, "gradient_compression": TOPK_ALL}, id="zero1-topk1"),
+     pytest.param({"zero_stage": 0, "gradient_compression": TOPK_ALL}, id="zero0-topk1")],
+)
+def test_frozen_parameters_beside_trainable_ones_compress_exactly(kwargs: dict[str, Any]) -> None:
+    # FSDP2 reduces only the parameters with a gradient: the compressor laid its matrices out over every
+    # parameter of the unit and crashed (top-k and PowerSGD at ZeRO-1, PowerSGD at ZeRO-0).
+    outs = run_ranks(fit, 2, "gpt_partly_frozen", kwargs, batch_size=GLOBAL_BATCH // 2)
+    assert_parity(reference_for("gpt_partly_frozen"), outs, dp=2)
+
+
+def test_powersgd_trains_beside_frozen_parameters_and_leaves_them_unchanged() -> None:
+    kwargs = {"zero_stage": 0, "gradient_compression": {"method": "powersgd", "rank": 2, "start_step": 4}}
+    outs = run_ranks(fit, 2, "gpt_partly_frozen", kwargs, batch_size=GLOBAL_BATCH // 2, **CONVERGE)
+    ref = reference_for("gpt_partly_frozen", **CONVERGE)
+    first, last = (sum(o["losses"][i] for o in outs) / 2 for i in (0, -1))
+    assert first - last > 0.5 * (ref["losses"][0] - ref["losses"][-1]), (first, last, ref["losses"])
+    for name in ("model.layers.0.attn.q_proj.weight", "model.layers.1.mlp_norm.weight"):
+        assert torch.equal(outs[0]["params"][name], ref["params"][name]), name  # the initial weights
+
+
 def test_lossless_compressed_run_equals_uncompressed_run() -> None:
     plain = _run({"zero_stage": 0}, 2)
     packed = _run({"zero_stage": 0, "gradient_compression": {"method": "topk", "fraction": 1.0}}, 2)

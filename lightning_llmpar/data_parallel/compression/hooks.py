@@ -63,10 +63,14 @@ class GroupComm:
 
 
 def _matrix_shapes(module: FSDPModule, shard_world: int) -> tuple[list[tuple[int, int]], list[int]]:
-    """Each parameter's (padded) gradient as a matrix, and its column count in the [shard_world, n] buffer."""
+    """Each trainable parameter's (padded) gradient as a matrix, and its column count in the [shard_world, n]
+    buffer. FSDP2 reduces the parameters that have a gradient: frozen ones are not in the buffer. Read at every
+    reduction, so a parameter frozen or unfrozen between steps is followed (``_check_layout``)."""
     group = module._get_fsdp_state()._fsdp_param_groups[0]
     shapes, columns = [], []
     for p in group.fsdp_params:
+        if not p.sharded_param.requires_grad:
+            continue
         size = p.padded_sharded_param_size
         rows = size[0] * shard_world if len(size) else shard_world
         numel = math.prod(size) * shard_world
@@ -87,8 +91,7 @@ class CompressedReduceScatter(ReduceScatter):
     """FSDP2's reduce-scatter for one unit, with this unit's compressor."""
 
     def __init__(self, compressor: Compressor, module: FSDPModule, shard_world: int) -> None:
-        self.compressor = compressor
-        self.shapes, self.columns = _matrix_shapes(module, shard_world)
+        self.compressor, self.module, self.shard_world = compressor, module, shard_world
         self.comms: dict[Any, GroupComm] = {}
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -102,15 +105,13 @@ class CompressedReduceScatter(ReduceScatter):
             mine = self.compressor.reduce_scatter(rows, comm)
             output_tensor.copy_(mine / comm.size if _is_avg(op) else mine)
             return
-        if sum(self.columns) != rows.shape[1]:
-            raise RuntimeError(
-                f"unit layout changed ({sum(self.columns)} != {rows.shape[1]} columns): a parameter got no gradient"
-            )
+        shapes, columns = _matrix_shapes(self.module, self.shard_world)
+        _check_layout(self.compressor, sum(columns) * comm.size, rows.numel())
         # Column block i of the [world, n] buffer holds parameter i's dim-0 chunks in rank order: as a
         # flat tensor it is parameter i's whole (padded) gradient.
-        pieces = torch.split(rows, self.columns, dim=1)
-        mean = self.compressor.reduce(torch.cat([p.reshape(-1) for p in pieces]), self.shapes, comm)
-        per_param = torch.split(mean, [c * comm.size for c in self.columns])
+        pieces = torch.split(rows, columns, dim=1)
+        mean = self.compressor.reduce(torch.cat([p.reshape(-1) for p in pieces]), shapes, comm)
+        per_param = torch.split(mean, [c * comm.size for c in columns])
         mine = torch.cat([m.view(comm.size, -1)[comm.rank] for m in per_param])
         output_tensor.copy_(mine if _is_avg(op) else mine * comm.size)
 
@@ -191,10 +192,28 @@ def apply_gradient_compression(
 
 
 def _all_reduce_hook(compressor: Compressor, module: FSDPModule, comm: GroupComm) -> Any:
-    shapes, _ = _matrix_shapes(module, 1)
-
     def hook(reduce_output: Tensor) -> None:
         # FSDP2 on the size-1 axis hands over this rank's whole unit gradient and divides by nothing.
+        shapes, columns = _matrix_shapes(module, 1)
+        if compressor.config.method in ("topk", "powersgd"):
+            _check_layout(compressor, sum(columns), reduce_output.numel())
         reduce_output.copy_(compressor.reduce(reduce_output.float(), shapes, comm))
 
     return hook
+
+
+def _check_layout(compressor: Compressor, expected: int, got: int) -> None:
+    """The gradient buffer holds what the trainable parameters say, and the error-feedback residual fits it."""
+    if expected != got:
+        raise RuntimeError(
+            f"Gradient compression ({compressor.config.method}) of unit {compressor.name}: FSDP2 reduces {got}"
+            f" gradient elements where its trainable parameters hold {expected}: a trainable parameter got no"
+            " gradient this step (not used in the forward). Freeze it (requires_grad=False) or use it every step."
+        )
+    residual = getattr(compressor, "residual", None)
+    if residual is not None and residual.numel() != got:
+        raise RuntimeError(
+            f"Gradient compression ({compressor.config.method}) of unit {compressor.name}: its trainable parameters"
+            " changed during training (frozen or unfrozen), so the error-feedback residual no longer fits them."
+            " Freeze or unfreeze parameters before training starts, or train without lossy gradient compression."
+        )
