@@ -217,6 +217,14 @@ class Looped(_Base):
         return self.layers[3](x)
 
 
+class CalledTwice(Zipped):
+    """An ordinary model whose step calls it twice (a preference loss over a chosen and a rejected sequence)."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        rejected = {"input_ids": batch["input_ids"].flip(1), "labels": batch["labels"].flip(1)}
+        return super().training_step(batch, batch_idx) - 0.1 * super().training_step(rejected, batch_idx)
+
+
 class ShiftedLM(LightningModule):
     """A user's step on dict batches for a model that returns logits: next-token cross-entropy, shifted by hand,
     plus ``extra_loss()``; SGD (a wrong gradient scale shows in the loss) or AdamW."""
@@ -260,7 +268,7 @@ class GPTMoE(ShiftedLM):
 
 
 CUSTOM = {"containers": Containers, "zipped": Zipped, "indexed": Indexed, "reuses_embedding": ReusesEmbedding, "unchained": Unchained,
-          "passes_state": PassesState, "looped": Looped, "reads_embedding": ReadsEmbedding,
+          "passes_state": PassesState, "looped": Looped, "called_twice": CalledTwice, "reads_embedding": ReadsEmbedding,
           "reads_gated_embedding": ReadsGatedEmbedding,
           "gpt_moe": GPTMoE, "titan_tied": TitanLM, "titan_untied": TitanLM,
           "titan_named": TitanLM, "titan_from1": TitanLM}

@@ -268,6 +268,15 @@ def _check_calls(stack: BlockStack, calls: Sequence[int]) -> None:
     before any comparison. Such a model can compute nearly what its split does (at initialization a looped
     block may change its input little), so comparing outputs alone could pass it."""
     twice = sorted({i for i in calls if calls.count(i) > 1})
+    rounds, whole = len(calls) // max(stack.total, 1), list(range(stack.total))
+    if twice and rounds > 1 and list(calls) == whole * rounds:
+        raise ValueError(
+            f"Pipeline split: one training step runs the whole block stack '{stack.prefix}' {rounds} times, in order:"
+            f" the step calls the model {rounds} times (a chosen and a rejected batch for a preference loss, two"
+            " views for a contrastive one), or the model loops over its stack. A pipeline runs one forward per"
+            " microbatch through the stages. Concatenate the inputs into one batch, call the model once and split"
+            " its output in the loss; or train without pipeline parallelism (pipeline_parallel=1)."
+        )
     if twice:
         i = twice[0]
         raise ValueError(

@@ -47,6 +47,8 @@ REFUSED = [
     ("unchained", PP2, ["stage 1", "block_stack="]),
     ("passes_state", PP2, ["stage 1", "fails when run on its own", "pipeline_split_points"]),  # starts at a shared block
     ("looped", PP2, ["calls block 1", "2 times", "pipeline_parallel=1"]),  # a recurrent-depth forward
+    # The step calls an ordinary model twice: the message blamed a looped model and advised dropping the pipeline.
+    ("called_twice", PP2, ["runs the whole block stack 'layers' 2 times", "Concatenate the inputs into one batch"]),
     # ... which several stages per rank (the default interleaved schedule) cannot share.
     ("reads_embedding", PP2, ["'emb'", "run on every pipeline rank", "pipeline_schedule='1F1B'"]),
     ("reads_gated_embedding", PP2, ["run on every pipeline rank", "pipeline_schedule='1F1B'"]),  # gradients show it
