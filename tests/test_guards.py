@@ -18,7 +18,7 @@ from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint, 
 from lightning_llmpar.fault_tolerance.sampler import ResumableDistributedSampler
 from lightning_llmpar.models import GPTModule
 from tests.distributed import run_ranks
-from tests.workloads import TokenData, fit, make_gpt
+from tests.workloads import TokenData, fit, fit_error, make_gpt
 
 # ----------------------------------------------------------------------------------------- options
 
@@ -116,6 +116,21 @@ def _fit_manual() -> None:
 def test_manual_optimization_under_pipeline_is_refused() -> None:
     with pytest.raises(RuntimeError, match=r"manual optimization \(automatic_optimization=False in _Manual\)"):
         run_ranks(_fit_manual, 2)
+
+
+def _fit_with(callback_name: str) -> str | None:
+    from lightning.pytorch import callbacks
+
+    callback = getattr(callbacks, callback_name)(**({"swa_lrs": 0.1} if callback_name.startswith("Stochastic") else {}))
+    return fit_error("gpt", {"zero_stage": 3}, batch_size=8, steps=2, callbacks_extra=[callback])
+
+
+@pytest.mark.parametrize("callback", ["StochasticWeightAveraging", "EMAWeightAveraging"])
+def test_weight_averaging_callbacks_are_refused_before_training(callback: str) -> None:
+    # They copy the whole module before the strategy shards it and pair the copy's parameters with the shards:
+    # a DTensor error after the first epoch at ZeRO-3, wrong pairs across pipeline stages.
+    errors = run_ranks(_fit_with, 2, callback)
+    assert all(e is not None and e.startswith(f"ValueError: {callback} keeps a whole copy") for e in errors), errors
 
 
 def _fit_again(settings: list[tuple[str, dict[str, Any], bool]]) -> list[str | None]:

@@ -16,6 +16,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import callbacks
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -107,6 +108,8 @@ class MeshStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        assert self.lightning_module is not None
+        _refuse_weight_averaging(self.lightning_module.trainer)
         reset_seed()
         self.set_world_ranks()
         self._layout = self._build_layout(self.world_size)
@@ -209,3 +212,18 @@ class MeshStrategy(ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
 
+
+def _refuse_weight_averaging(trainer: Any) -> None:
+    """Lightning's weight-averaging callbacks copy the whole module in their ``setup``, before this strategy shards
+    or splits it, then pair the copy's parameters with the module's one by one: a crash after the first epoch
+    (a DTensor beside a tensor under ZeRO-3 and tensor parallelism), and under a pipeline the stage's parameters
+    paired with the wrong ones. Lightning refuses them with its own sharded strategies (FSDP, DeepSpeed)."""
+    kinds = tuple(getattr(callbacks, name) for name in ("StochasticWeightAveraging", "WeightAveraging")
+                  if hasattr(callbacks, name))
+    found = [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, kinds)]
+    if found:
+        raise ValueError(
+            f"{found[0]} keeps a whole copy of the module, made before LLMParallelStrategy shards or splits it, and"
+            " pairs its parameters with the sharded ones: it cannot average them. Remove the callback, or train"
+            " with a strategy that keeps whole models (Lightning's 'ddp')."
+        )
