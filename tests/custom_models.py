@@ -84,6 +84,26 @@ class Zipped(_Base):
         return x
 
 
+class _SequentialBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(WIDTH), _MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class SequentialStack(_Base):
+    """Blocks in an ``nn.Sequential`` the forward calls whole (``self.blocks(x)``), as minimal GPTs write it."""
+
+    def __init__(self, name: str = "", **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        self.blocks = nn.Sequential(*(_SequentialBlock() for _ in range(4)))
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
 class Indexed(Zipped):
     """A forward that indexes its blocks: ``for i in range(len(self.layers)): self.layers[i](...)``."""
 
@@ -268,7 +288,7 @@ class GPTMoE(ShiftedLM):
 
 
 CUSTOM = {"containers": Containers, "zipped": Zipped, "indexed": Indexed, "reuses_embedding": ReusesEmbedding, "unchained": Unchained,
-          "passes_state": PassesState, "looped": Looped, "called_twice": CalledTwice, "reads_embedding": ReadsEmbedding,
+          "passes_state": PassesState, "looped": Looped, "called_twice": CalledTwice, "sequential": SequentialStack, "reads_embedding": ReadsEmbedding,
           "reads_gated_embedding": ReadsGatedEmbedding,
           "gpt_moe": GPTMoE, "titan_tied": TitanLM, "titan_untied": TitanLM,
           "titan_named": TitanLM, "titan_from1": TitanLM}

@@ -2,8 +2,9 @@
 
 Most transformer LMs keep their layers in one ``nn.ModuleList`` (``model.layers``, ``transformer.h``,
 ``blocks``...); torchtitan's models and other training libraries keep them in an ``nn.ModuleDict`` keyed "0".."N-1"
-and iterate its ``values()`` (a pipeline stage deletes entries, so parameter names stay the whole model's). We find
-either by structure, not by name, so a model written elsewhere fits unchanged. Blocks are addressed by position
+and iterate its ``values()`` (a pipeline stage deletes entries, so parameter names stay the whole model's); minimal
+GPTs put them in an ``nn.Sequential`` and call it whole. We find any of them by structure, not by name, so a model
+written elsewhere fits unchanged. Blocks are addressed by position
 (``block_at``) and named by their key (``stack_keys``), which is the same thing for a ModuleList.
 """
 
@@ -20,7 +21,8 @@ __all__ = [
     "mark_block_stack", "num_params", "stack_keys",
 ]
 
-Stack = nn.ModuleList | nn.ModuleDict
+Stack = nn.ModuleList | nn.ModuleDict | nn.Sequential
+STACKS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 def count_attr(owner: object, attr: str) -> int | None:
@@ -71,9 +73,9 @@ def stack_keys(blocks: Stack) -> list[str]:
     kept = getattr(blocks, "_llmpar_keys", None)
     if kept is not None:
         return list(kept)
-    if isinstance(blocks, nn.ModuleDict):
-        return list(blocks._modules)
-    return [str(i) for i in range(len(blocks))]
+    if isinstance(blocks, nn.ModuleList):
+        return [str(i) for i in range(len(blocks))]
+    return list(blocks._modules)  # a ModuleDict's keys; a Sequential's ("0".."N-1", or the names it was given)
 
 
 def block_at(blocks: Stack, index: int) -> nn.Module:
@@ -105,12 +107,11 @@ def mark_block_stack(model: nn.Module, name: str) -> None:
         stack = model.get_submodule(name)
     except AttributeError as err:
         raise ValueError(f"block_stack={name!r} names no module of {type(model).__name__}.") from err
-    if not isinstance(stack, (nn.ModuleList, nn.ModuleDict)) or len(stack) == 0:
-        what = "an empty " + type(stack).__name__ if isinstance(stack, (nn.ModuleList, nn.ModuleDict)) else (
-            "a " + type(stack).__name__)
+    if not isinstance(stack, STACKS) or len(stack) == 0:
+        what = "an empty " + type(stack).__name__ if isinstance(stack, STACKS) else "a " + type(stack).__name__
         raise ValueError(
-            f"block_stack={name!r} is {what}; it must name the nn.ModuleList or nn.ModuleDict holding the model's"
-            " blocks, e.g. 'model.layers'."
+            f"block_stack={name!r} is {what}; it must name the nn.ModuleList, nn.ModuleDict or nn.Sequential holding"
+            " the model's blocks, e.g. 'model.layers'."
         )
     setattr(stack, MARK, True)
 
@@ -125,21 +126,26 @@ def _is_stack(module: nn.Module) -> bool:
     or composite blocks of a few classes, each repeated (hybrid models interleave attention and state-space layers:
     Jamba). Requiring repeats keeps a list of distinct sub-models (an encoder and a decoder) from being taken for
     blocks: the lists inside them are. A ModuleDict (torchtitan's ``layers``) counts when its entries are composite
-    blocks of that kind: dicts of single layers (peft's ``lora_A``, per-task heads) are not stacks."""
-    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) == 0:
+    blocks of that kind: dicts of single layers (peft's ``lora_A``, per-task heads) are not stacks. So does an
+    ``nn.Sequential`` (an exact ``nn.Sequential``, not a subclass with its own forward): a chain of single layers (an
+    MLP's ``Sequential(Linear, GELU, Linear)``) is not."""
+    if not isinstance(module, STACKS) or len(module) == 0:
+        return False
+    if isinstance(module, nn.Sequential) and type(module).forward is not nn.Sequential.forward:
         return False
     children = list(module._modules.values())
-    if isinstance(module, nn.ModuleDict) and not all(child is not None and _is_composite(child) for child in children):
+    composite = all(child is not None and _is_composite(child) for child in children)
+    if isinstance(module, (nn.ModuleDict, nn.Sequential)) and not composite:
         return False
     classes = {type(child) for child in children}
     if len(classes) == 1:
         return True
-    return len(children) > len(classes) and all(child is not None and _is_composite(child) for child in children)
+    return len(children) > len(classes) and composite
 
 
 def find_block_stack(model: nn.Module) -> BlockStack | None:
-    """The stack named by the user (``block_stack``), else the ModuleList or ModuleDict of blocks (``_is_stack``)
-    holding the most parameters, or None if there is none."""
+    """The stack named by the user (``block_stack``), else the ModuleList, ModuleDict or Sequential of blocks
+    (``_is_stack``) holding the most parameters, or None if there is none."""
     for name, module in model.named_modules():
         if getattr(module, MARK, False):
             return BlockStack(prefix=name, blocks=module)  # type: ignore[arg-type]

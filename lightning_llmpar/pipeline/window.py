@@ -91,7 +91,8 @@ def narrow_blocks(blocks: Stack, forms: Sequence[tuple] = ()) -> None:
     each gets its pass-through, with the output form seen in a run of the whole model, if any."""
     keys = stack_keys(blocks)
     passes = [_PassThrough(blocks._modules[key], forms[i] if i < len(forms) else None) for i, key in enumerate(keys)]
-    blocks.__class__ = _StageBlockDict if isinstance(blocks, nn.ModuleDict) else _StageBlocks
+    kinds = {nn.ModuleDict: _StageBlockDict, nn.Sequential: _StageSequential}
+    blocks.__class__ = next((k for base, k in kinds.items() if isinstance(blocks, base)), _StageBlocks)
     blocks._llmpar_total, blocks._llmpar_passes = len(passes), passes  # type: ignore[union-attr]
     blocks._llmpar_window, blocks._llmpar_entered = None, False  # type: ignore[union-attr]
     blocks._llmpar_keys = keys  # type: ignore[union-attr]
@@ -151,6 +152,14 @@ class _StageBlocks(_Window, nn.ModuleList):
                              f" {held[0]}-{held[-1]}. Code outside the model's forward reaches only these." if held
                              else f"Block {idx} is on another pipeline rank; this rank holds none of the stack.")
         return self._modules[str(i)]
+
+
+class _StageSequential(_Window, nn.Sequential):
+    """An ``nn.Sequential`` stack narrowed to a pipeline rank's blocks: called whole by the model's forward, it runs
+    the active window (after the pass-throughs) as a ModuleList stack's iteration does."""
+
+    __iter__ = _StageBlocks.__iter__
+    __getitem__ = _StageBlocks.__getitem__  # type: ignore[assignment]
 
 
 class _StageBlockDict(_Window, nn.ModuleDict):

@@ -82,7 +82,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
             and ignore_index -100 left out), exactly as one process computes it on the global batch; tokens
             are counted in a dict's 'labels' (shifted by one, as transformers' causal-LM loss) or the targets
             of an (inputs, targets) pair, or by a callable(batch) -> count given here.
-        block_stack: qualified name of the nn.ModuleList or nn.ModuleDict holding the model's blocks (e.g.
+        block_stack: qualified name of the ModuleList, ModuleDict or Sequential holding the model's blocks (e.g.
             'model.layers'), for models where the one found by structure is not it (see docs/model-convention.md).
         pipeline_check: before splitting, run the step on one sample of the first training batch whole and
             stage by stage and refuse a split that computes something else (see docs/model-convention.md).

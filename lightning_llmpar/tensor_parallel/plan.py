@@ -92,7 +92,7 @@ class _Planner(RegionPlanning, MoEPlanning, AttentionPlanning):
         stack = find_block_stack(self.model)
         if stack is None and not self.user_plan:
             raise ValueError(
-                f"Could not find a stack of transformer blocks (an nn.ModuleList or nn.ModuleDict of them)"
+                f"Could not find a stack of transformer blocks (an nn.ModuleList, ModuleDict or Sequential of them)"
                 f" in {type(self.model).__name__}. Name it with block_stack='...', or pass an explicit"
                 f" `tp_plan` mapping module-name patterns to styles {sorted(TP_STYLES)}."
             )

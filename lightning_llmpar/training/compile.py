@@ -32,7 +32,7 @@ def _find_stack(model: nn.Module) -> BlockStack:
     if stack is None:
         raise ValueError(
             f"compile=True compiles each block of the model's block stack, but {type(model).__name__} has no"
-            " nn.ModuleList or nn.ModuleDict of repeated blocks (see docs/model-convention.md). Set block_stack='...'"
+            " nn.ModuleList, nn.ModuleDict or nn.Sequential of repeated blocks (see docs/model-convention.md). Set block_stack='...'"
             " to name it, or compile=False."
         )
     return stack

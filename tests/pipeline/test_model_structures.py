@@ -39,6 +39,8 @@ EXACT = [
     ("reads_embedding", {**PP2, "pipeline_schedule": "1F1B"}),
     ("reads_gated_embedding", {**PP2, "pipeline_schedule": "GPipe"}),
     ("titan_untied", {**PP2, "block_stack": "model.layers"}),  # a ModuleDict stack, named
+    # Blocks in an nn.Sequential the forward calls whole (minimal GPTs): refused as "no stack" under TP and PP.
+    *[("sequential", kw) for kw in ({"tensor_parallel": 2}, PP2, {**PP2, "pipeline_schedule": "1F1B"})],
 ]
 # (model, strategy kwargs, words the ValueError must contain): refused before the first step.
 REFUSED = [
@@ -79,7 +81,8 @@ def litgpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
 
 @pytest.fixture(scope="module")
 def runs(litgpt_dir: Path | None) -> tuple[dict, dict]:
-    names = ("containers", "zipped", "indexed", "passes_state", "reads_embedding", "reads_gated_embedding", "titan_untied")
+    names = ("containers", "zipped", "indexed", "passes_state", "reads_embedding", "reads_gated_embedding", "titan_untied",
+             "sequential")
     refs = [(m, None, BATCH) for m in names]
     cases = [(m, kw, _per_rank(kw)) for m, kw in EXACT] + [(m, kw, _per_rank(kw)) for m, kw, _ in REFUSED]
     if litgpt_dir is not None:
@@ -144,3 +147,29 @@ def test_module_dict_stacks_are_found_and_dicts_of_single_layers_are_not() -> No
     holder.layers = nn.ModuleDict()
     with pytest.raises(ValueError, match="block_stack='layers' is an empty ModuleDict"):
         mark_block_stack(holder, "layers")
+
+
+def test_sequential_stacks_are_found_and_chains_of_single_layers_are_not() -> None:
+    from torch import nn
+
+    from lightning_llmpar.modeling.structure import find_block_stack
+    from tests.custom_models import SequentialStack
+
+    model = SequentialStack()
+    stack = find_block_stack(model)
+    assert stack is not None and stack.prefix == "blocks" and stack.keys() == ["0", "1", "2", "3"]
+    # An MLP's Sequential(Linear, GELU, Linear), a chain of Linears, or a Sequential subclass with its own forward
+    # (which may not call its children in order) is not a stack of blocks.
+    chains = nn.Module()
+    chains.mlp = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+    chains.deep = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    assert find_block_stack(chains) is None
+
+    class Reversed(nn.Sequential):
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            for block in reversed(self):
+                x = block(x)
+            return x
+
+    model.blocks = Reversed(*model.blocks)
+    assert find_block_stack(model) is None
