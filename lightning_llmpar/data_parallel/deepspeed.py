@@ -19,6 +19,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_llmpar.checkpointing.hf_checkpoint import load_hf_checkpoint
+from lightning_llmpar.checkpointing.litgpt_checkpoint import load_litgpt_checkpoint
 from lightning_llmpar.data_parallel.backend import BackendContext, ShardingBackend
 from lightning_llmpar.data_parallel.deepspeed_config import (
     build_deepspeed_config,
@@ -26,6 +28,8 @@ from lightning_llmpar.data_parallel.deepspeed_config import (
     check_nvme,
     deepspeed_precision,
 )
+from lightning_llmpar.modeling.materialize import materialize
+from lightning_llmpar.modeling.ties import find_tied_weights
 from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.strategies.options import StrategyOptions
 from lightning_llmpar.training.documents import apply_document_masking
@@ -98,6 +102,13 @@ class DeepSpeedBackend(ShardingBackend):
         module = s.lightning_module
         assert module is not None
         self.ctx = ctx
+        # The engine takes the whole module: a model built on the meta device gets memory here, and pretrained
+        # weights are read whole (the strategy's composition, which reads them per shard, does not run).
+        materialize(module, s.root_device, find_tied_weights(module))
+        if self.options.hf_checkpoint is not None:
+            load_hf_checkpoint(module, self.options.hf_checkpoint)
+        if self.options.litgpt_checkpoint is not None:
+            load_litgpt_checkpoint(module, self.options.litgpt_checkpoint)
         module.to(s.root_device)
         apply_document_masking(module)  # packed documents in transformers models (see training.documents)
         optimizer = None

@@ -128,6 +128,12 @@ def _check_expert_parallel(a: dict[str, Any], zero_bubble: bool) -> None:
             f"LLMParallelStrategy: `expert_capacity_factor` must be a positive number (1.25 lets each expert take 25%"
             f" more than its even share of tokens) or None (drop nothing), got {factor!r}."
         )
+    if factor is not None and a["sharding_backend"] == "deepspeed":
+        raise ValueError(
+            f"LLMParallelStrategy: expert_capacity_factor={factor!r} is applied to the MoE layers when the strategy"
+            " composes the model, which the DeepSpeed engine does itself: it would be ignored. Use"
+            " sharding_backend='fsdp2' (the default) for a capacity cut, or leave expert_capacity_factor=None."
+        )
     if a["expert_parallel"] == 1:
         return
     others = {
