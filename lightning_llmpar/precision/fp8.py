@@ -18,25 +18,37 @@ _FP8_MULTIPLE = 16  # FP8 matmul kernels need both dimensions divisible by 16
 
 
 def fp8_candidates(model: nn.Module, *, keep_first_last: bool = True, skip: list[str] | None = None) -> list[str]:
-    """Names of the linears that run in FP8: right shape, not skipped, and (by default) not in the first
-    or last block or outside the block stack (LM head, input projections)."""
-    skip = skip or []
+    """Names of the linears that run in FP8: right shape, not skipped, weight not tied to another module's (an LM
+    head sharing the embedding: torchao gives a converted layer a weight of its own, which would untie it), and
+    (by default) not in the first or last block or outside the block stack (LM head, input projections)."""
+    return _sort_linears(model, keep_first_last, skip or [])["chosen"]
+
+
+def _sort_linears(model: nn.Module, keep_first_last: bool, skip: list[str]) -> dict[str, list[str]]:
+    """Every ``nn.Linear`` by what decides it: 'shape', 'skip', 'tied', 'kept' (first/last block, outside), 'chosen'."""
     stack = find_block_stack(model)
     names = stack.names() if stack is not None else []
     protected = {names[0], names[-1]} if keep_first_last and len(names) > 0 else set()
-    chosen = []
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    sorted_: dict[str, list[str]] = {k: [] for k in ("shape", "skip", "tied", "kept", "chosen")}
     for name, module in model.named_modules():
         if type(module) is not nn.Linear:
             continue
-        if module.in_features % _FP8_MULTIPLE or module.out_features % _FP8_MULTIPLE:
-            continue
-        if any(pattern in name for pattern in skip):
-            continue
         block = next((b for b in names if name.startswith(b + ".")), None)
-        if keep_first_last and (block is None or block in protected):
-            continue
-        chosen.append(name)
-    return chosen
+        if module.in_features % _FP8_MULTIPLE or module.out_features % _FP8_MULTIPLE:
+            kind = "shape"
+        elif any(pattern in name for pattern in skip):
+            kind = "skip"
+        elif uses.get(id(module.weight), 0) > 1:
+            kind = "tied"
+        elif keep_first_last and (block is None or block in protected):
+            kind = "kept"
+        else:
+            kind = "chosen"
+        sorted_[kind].append(name)
+    return sorted_
 
 
 def convert_to_fp8(
@@ -53,14 +65,20 @@ def convert_to_fp8(
     except ImportError as err:
         raise ImportError("FP8Precision needs torchao: pip install 'lightning_llmpar[fp8]'.") from err
 
-    chosen = set(fp8_candidates(model, keep_first_last=keep_first_last, skip=skip))
+    linears = _sort_linears(model, keep_first_last, skip or [])
+    chosen = set(linears["chosen"])
     if not chosen:
-        raise ValueError(
-            f"FP8Precision found no linear layer to convert in {type(model).__name__}: FP8 needs dimensions"
-            f" divisible by {_FP8_MULTIPLE}, and keep_first_last=True keeps the first and last block and"
-            " the layers outside the block stack in higher precision. Use a model with more blocks, or"
-            " keep_first_last=False."
-        )
+        why = {
+            "shape": f"with a dimension not divisible by {_FP8_MULTIPLE}, which FP8 matmuls need (a width such as"
+                     " a multiple of 16 fixes it)",
+            "skip": "named by `skip`",
+            "tied": "whose weight is tied to another module's (an LM head sharing the embedding), kept to stay tied",
+            "kept": "in the first or last block or outside the block stack, which keep_first_last=True keeps in higher"
+                    " precision (keep_first_last=False converts them)",
+        }
+        found = "; ".join(f"{len(v)} {why[k]} (e.g. {v[0]!r})" for k, v in linears.items() if v and k in why)
+        raise ValueError(f"FP8Precision found no linear layer to convert in {type(model).__name__}: of its linears, "
+                         f"{found or 'none exist'}.")
     # Float8 all-gather exists for tensorwise scaling only (FP8Precision refuses other pairings).
     config = (
         Float8LinearConfig(enable_fsdp_float8_all_gather=True)
