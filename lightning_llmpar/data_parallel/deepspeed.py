@@ -19,6 +19,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_llmpar.activation_checkpointing.policy import ActivationCheckpointing
 from lightning_llmpar.checkpointing.hf_checkpoint import load_hf_checkpoint
 from lightning_llmpar.checkpointing.litgpt_checkpoint import load_litgpt_checkpoint
 from lightning_llmpar.data_parallel.backend import BackendContext, ShardingBackend
@@ -29,6 +30,7 @@ from lightning_llmpar.data_parallel.deepspeed_config import (
     deepspeed_precision,
 )
 from lightning_llmpar.modeling.materialize import materialize
+from lightning_llmpar.modeling.structure import mark_block_stack
 from lightning_llmpar.modeling.ties import find_tied_weights
 from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.strategies.options import StrategyOptions
@@ -102,13 +104,19 @@ class DeepSpeedBackend(ShardingBackend):
         module = s.lightning_module
         assert module is not None
         self.ctx = ctx
-        # The engine takes the whole module: a model built on the meta device gets memory here, and pretrained
-        # weights are read whole (the strategy's composition, which reads them per shard, does not run).
+        # The engine takes the whole module, and the strategy's composition does not run: a model built on the meta
+        # device gets memory here, pretrained weights are read whole, the named block stack and activation
+        # checkpointing are applied here.
         materialize(module, s.root_device, find_tied_weights(module))
         if self.options.hf_checkpoint is not None:
             load_hf_checkpoint(module, self.options.hf_checkpoint)
         if self.options.litgpt_checkpoint is not None:
             load_litgpt_checkpoint(module, self.options.litgpt_checkpoint)
+        if self.options.block_stack is not None:
+            mark_block_stack(module, self.options.block_stack)
+        checkpointing = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)
+        if checkpointing is not None:  # on the whole module, before the engine takes it
+            checkpointing.apply(module)
         module.to(s.root_device)
         apply_document_masking(module)  # packed documents in transformers models (see training.documents)
         optimizer = None

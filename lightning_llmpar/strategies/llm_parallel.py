@@ -110,6 +110,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
     """
 
     strategy_name = "llmpar"
+    applies_activation_checkpointing = True  # between tensor parallelism and sharding (see parallelize), or the engine
     checking_pipeline_split = False  # True while the step runs for the pipeline split check (see pipeline.check)
 
     def __init__(
@@ -176,8 +177,6 @@ class LLMParallelStrategy(CheckpointingStrategy):
         # again for it (the DeepSpeed engine runs precision itself).
         backend = DeepSpeedBackend if sharding_backend == "deepspeed" else FSDP2Backend
         self._backend: ShardingBackend = backend(self, options)
-        # Between tensor parallelism and sharding (see parallelize); under the DeepSpeed engine the callback wraps.
-        self.applies_activation_checkpointing = self._backend.composes
         self.precision_plugin = self._given_precision
 
     @property
