@@ -173,7 +173,8 @@ MODELS = {"gpt": make_gpt, "llama": HFLlamaModule, "llama_tied": lambda: HFLlama
           "gpt_extra": lambda: _ExtraParameter(True), "gpt_extra_lenient": lambda: _ExtraParameter(False),
           "gpt_partly_optimized": _PartlyOptimized, "gpt_steep": _SteepLoss, "gpt_positions_in_forward": _PositionsInForward,
           "gpt_positions_at_root": _PositionsAtRoot, "gpt_without_optimizer": _without_optimizer,
-          "gpt_first_block_frozen": _first_block_frozen, "gpt_partly_frozen": _partly_frozen}
+          "gpt_first_block_frozen": _first_block_frozen, "gpt_partly_frozen": _partly_frozen,
+          "gpt_vocab_48": lambda: GPTModule(**{**GPT_ARGS, "vocab_size": 48})}  # the data's ids reach 63
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

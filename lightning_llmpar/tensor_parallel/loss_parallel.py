@@ -186,6 +186,7 @@ def _parallel_cross_entropy(args: tuple, kwargs: dict) -> Tensor | None:
             or not isinstance(target, Tensor) or isinstance(target, DTensor) or target.is_floating_point()
             or isinstance(weight, DTensor) or a["reduction"] not in ("mean", "sum", "none")):
         return None
+    _check_targets(target, x.shape[class_dim], a["ignore_index"])
     if torch.is_grad_enabled() and x.requires_grad:
         loss = _ParallelCrossEntropy.apply(x, target, weight, a["ignore_index"], a["reduction"])
     else:
@@ -194,6 +195,17 @@ def _parallel_cross_entropy(args: tuple, kwargs: dict) -> Tensor | None:
     # Replicated: the whole loss on every rank, a plain tensor for the user's code. A copy, not to_local's view,
     # which autograd forbids changing in place (transformers adds an MoE router's auxiliary loss with +=).
     return loss.to_local().clone()
+
+
+def _check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
+    """A target outside the vocabulary falls in no rank's slice and would count as a zero logit, silently: one
+    process raises on it, and so does this (on a GPU as a device-side assert, without waiting for the device)."""
+    valid = (target == ignore_index) | ((target >= 0) & (target < vocab))
+    if target.device.type == "cuda":
+        torch._assert_async(valid.all(), f"cross-entropy target outside the vocabulary of {vocab}")
+    elif not bool(valid.all()):
+        raise IndexError(f"Target {int(target[~valid][0])} is out of bounds (the vocabulary has {vocab} entries, split"
+                         " over the tensor-parallel ranks); one process raises on it too.")
 
 
 def _name(func: Any) -> str:

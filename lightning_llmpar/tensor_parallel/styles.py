@@ -359,7 +359,23 @@ class GatherFirstOutput(ParallelStyle):
 class VocabEmbedding(RowwiseParallel):
     """The embedding split by vocabulary, its partial lookups summed. Its output is a tensor of its own, as an
     embedding's is: models scale it in place (CTRL: ``inputs_embeds *= sqrt(d)``), which autograd forbids on the
-    view that ``DTensor.to_local`` returns."""
+    view that ``DTensor.to_local`` returns. An id outside the vocabulary falls in no rank's slice and would embed
+    as zeros, silently, where one process raises: it raises here too."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts: Any, desired_input_layouts: Any, mod: nn.Module, inputs: Any,
+                          device_mesh: Any) -> Any:
+        ids = inputs[0].to_local() if isinstance(inputs[0], DTensor) else inputs[0]
+        size = mod.num_embeddings  # type: ignore[attr-defined]  # the whole vocabulary's, kept by the split
+        if ids.numel() and ids.device.type == "cuda":
+            torch._assert_async(((ids >= 0) & (ids < size)).all(), f"token id outside the vocabulary of {size}")
+        elif ids.numel() and not bool(((ids >= 0) & (ids < size)).all()):
+            bad = ids[(ids < 0) | (ids >= size)]
+            raise IndexError(
+                f"Token ids {sorted(set(bad.tolist()))[:5]} are outside the embedding's vocabulary of {size} (ids 0 to"
+                f" {size - 1}); one process raises on them too. Check the tokenizer against the model's vocab_size."
+            )
+        return RowwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
 
     @staticmethod
     def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,

@@ -176,3 +176,46 @@ def test_loss_parallel_with_pipeline_zero_and_context_parallelism() -> None:
     outs = run_ranks(fit_cases, 4, cases, timeout=900)
     for name, kwargs, _ in cases:
         assert_exact(refs[(name, "None")], [o[(name, repr(kwargs))] for o in outs], sharded=False)
+
+
+@pytest.mark.parametrize("loss_parallel", [True, False])
+def test_token_ids_outside_the_vocabulary_are_refused_as_one_process_refuses_them(loss_parallel: bool) -> None:
+    # Split by vocabulary, an id past its end falls in no rank's slice: tp2 trained on zero embeddings (and the
+    # loss on targets no rank holds) where one process raises an IndexError.
+    from tests.workloads import fit_error
+
+    one = run_ranks(fit_error, 1, "gpt_vocab_48", None, batch_size=8, steps=1)[0]
+    assert one is not None and one.startswith("IndexError"), one
+    errors = run_ranks(fit_error, 2, "gpt_vocab_48", {"tensor_parallel": 2, "loss_parallel": loss_parallel},
+                       batch_size=8, steps=1)
+    assert all(e is not None and e.startswith("IndexError: Token ids [48,") for e in errors), errors
+
+
+class _TargetsPastTheVocabulary(LightningDataModule):
+    """Inputs inside a vocabulary of 48, targets up to 63."""
+
+    def train_dataloader(self) -> Any:
+        tokens = torch.randint(0, 64, (64, 17), generator=torch.Generator().manual_seed(0))
+        return ordered_loader(TensorDataset(tokens[:, :-1] % 48, tokens[:, 1:]), 8, self.trainer.strategy)
+
+
+def _fit_targets_past_the_vocabulary(kwargs: dict[str, Any] | None) -> str | None:
+    from lightning_llmpar import LLMParallelStrategy
+    from tests.workloads import GPT_ARGS
+
+    trainer = Trainer(accelerator="cpu", devices=2 if kwargs else 1, max_steps=1, logger=False,
+                      strategy=LLMParallelStrategy(**kwargs) if kwargs else "auto", enable_checkpointing=False,
+                      enable_progress_bar=False, use_distributed_sampler=False)
+    try:
+        trainer.fit(GPTModule(**{**GPT_ARGS, "vocab_size": 48}), datamodule=_TargetsPastTheVocabulary())
+    except IndexError as err:
+        return str(err)
+    return None
+
+
+def test_targets_outside_the_vocabulary_are_refused_by_the_parallel_loss() -> None:
+    # The vocabulary-parallel cross-entropy counted a target no rank holds as a zero logit and trained on.
+    one = run_ranks(_fit_targets_past_the_vocabulary, 1, None)[0]
+    assert one is not None and one.startswith("Target 53 is out of bounds"), one
+    errors = run_ranks(_fit_targets_past_the_vocabulary, 2, {"tensor_parallel": 2, "loss_parallel": True})
+    assert all(e is not None and e.startswith("Target 53 is out of bounds (the vocabulary has 48") for e in errors), errors
