@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -396,6 +397,19 @@ def test_plan_ranks_fitting_layouts_by_step_time_and_refuses_bad_input(tmp_path:
         plan(GPT, global_batch=8, seq=256)  # its first forward would refuse the run
     with pytest.raises(ValueError, match="gpus_per_node"):
         cluster_from("h100", gpus_per_node=0)
+    # Search arguments were taken as given: ZeRO-5 rows ranked with made-up memory, a ZeroDivisionError, a
+    # KeyError, a string taken for True, a context-parallel degree blamed on the batch.
+    for bad, words in (({"zero_stages": (5,)}, "`zero_stages` must be a sequence of values from [0, 1, 2, 3]"),
+                       ({"context_parallel": [0]}, "`context_parallel` must be a sequence of positive integers"),
+                       ({"checkpointing": ("bogus",)}, "`checkpointing` must be a sequence of values from"),
+                       ({"headroom": "0.1"}, "`headroom` is a fraction"), ({"compile": "no"}, "`compile` must be True"),
+                       ({"max_micro_batch": 0}, "`max_micro_batch` must be a positive integer"),
+                       ({"context_parallel": [3]}, "context_parallel=[3] must divide the 2 devices and half the"
+                                                   " sequence (64 tokens)")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            plan(GPT, cluster_from("h100", gpus_per_node=2), global_batch=8, seq=128, **bad)
+    with pytest.raises(ValueError, match="`global_batch` must be a positive integer, got True"):
+        plan(GPT, global_batch=True, seq=128)
     tiny = plan({**GPT, "n_embd": 4096, "n_head": 32, "n_kv_head": 8, "block_size": 4096}, cluster_from("h100", memory_gb=0.5),
                 global_batch=8, seq=4096)
     assert tiny.best is None
@@ -469,6 +483,12 @@ def test_compile_float8_and_async_tp_move_the_prediction_the_published_way(tmp_p
     with pytest.raises(ValueError, match="precision='bf16-mixed'"):
         plan(spec, cluster, global_batch=16, seq=8192, float8="rowwise", precision="32-true")
     assert plan(spec, cluster, **kw, precision="fp8").layouts[0].candidate.float8 == "tensorwise"
+    # The written run converts what the prediction counts: every block (FP8Precision's default keeps the first and
+    # last in bf16, and a two-block model then had nothing to convert at `llmpar fit`), the head in bf16.
+    fp8 = plan({**GPT, "n_layer": 2, "n_embd": 64}, cluster_from("cpu"), global_batch=8, seq=16, float8="tensorwise")
+    written = yaml.safe_load(fp8.write_config(tmp_path / "fp8.yaml").read_text())
+    assert written["trainer"]["plugins"][0]["init_args"] == {
+        "recipe": "tensorwise", "float8_all_gather": True, "keep_first_last": False, "skip": ["lm_head"]}
 
 
 def test_predictions_against_torchtitans_published_h100_runs() -> None:

@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _plan(opts: argparse.Namespace) -> Plan:
+    if opts.top < 1:
+        raise ValueError(f"--top {opts.top}: give how many layouts to show, 1 or more.")
     if opts.write:
         check_writable(opts.write)  # before planning, not after
     cluster = cluster_from(

@@ -121,8 +121,11 @@ def fit_config(plan: Plan, row: PlannedLayout) -> str:
         trainer["precision"] = "bf16-mixed"
     elif plan.precision.name == "fp8":
         recipe = c.float8 or "tensorwise"
+        # Every block's linears in fp8 and the head in bf16, as predicted (and as torchtitan converts): FP8Precision's
+        # default keeps the first and last block in bf16 too, which with two blocks leaves nothing to convert.
         trainer["plugins"] = [{"class_path": "lightning_llmpar.FP8Precision",
-                               "init_args": {"recipe": recipe, "float8_all_gather": recipe == "tensorwise"}}]
+                               "init_args": {"recipe": recipe, "float8_all_gather": recipe == "tensorwise",
+                                             "keep_first_last": False, "skip": ["lm_head"]}}]
     if c.pp == 1 and c.microbatches > 1:
         trainer["accumulate_grad_batches"] = c.microbatches
     trainer.update(kept)

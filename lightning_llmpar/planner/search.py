@@ -20,6 +20,28 @@ __all__ = ["Plan", "PlannedLayout", "candidates", "plan"]
 GiB = 2**30
 
 
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_search(search: dict[str, Any]) -> None:
+    """The ``candidates`` arguments ``plan`` passes on, checked before any layout is predicted."""
+    allowed = {"zero_stages": (0, 1, 2, 3), "checkpointing": CHECKPOINTING}
+    unknown = sorted(set(search) - {*allowed, "context_parallel", "max_micro_batch"})
+    if unknown:
+        raise ValueError(f"plan() takes no {', '.join(unknown)}; the search takes zero_stages, checkpointing,"
+                         " context_parallel and max_micro_batch.")
+    for name, choices in allowed.items():
+        bad = [v for v in search.get(name, ()) if v not in choices or isinstance(v, bool)]
+        if isinstance(search.get(name, ()), str) or bad:
+            raise ValueError(f"`{name}` must be a sequence of values from {list(choices)}, got {search[name]!r}.")
+    cp = search.get("context_parallel")
+    if cp is not None and (isinstance(cp, str) or not all(_positive_int(c) for c in cp)):
+        raise ValueError(f"`context_parallel` must be a sequence of positive integers (degrees to try), got {cp!r}.")
+    if "max_micro_batch" in search and not _positive_int(search["max_micro_batch"]):
+        raise ValueError(f"`max_micro_batch` must be a positive integer, got {search['max_micro_batch']!r}.")
+
+
 @dataclass(frozen=True)
 class PlannedLayout:
     candidate: Candidate
@@ -183,10 +205,14 @@ def plan(
     elif float8:
         precision = "fp8"
     for name, value in (("global_batch", global_batch), ("seq", seq)):
-        if not isinstance(value, int) or value < 1:
+        if not _positive_int(value):
             raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
-    if not 0 <= headroom < 1:
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
         raise ValueError(f"`headroom` is a fraction of device memory in [0, 1), got {headroom!r}.")
+    for name, flag in (("compile", compile), ("async_tp", async_tp)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"`{name}` must be True or False, got {flag!r}.")
+    _check_search(search)
     spec = model if isinstance(model, ModelSpec) else model_spec(model)
     if spec.max_seq and seq > spec.max_seq:  # the model would refuse it at its first forward
         raise ValueError(f"seq={seq} is longer than {spec.name} accepts (block_size {spec.max_seq}): plan with a"
@@ -202,6 +228,10 @@ def plan(
         memory = predict_memory(spec, c, seq, p, cluster.caching_allocator)
         rows.append(PlannedLayout(c, memory, predict_step_time(spec, c, seq, cluster, p), memory.peak <= budget))
     if not rows:
+        cp = search.get("context_parallel") or [1]
+        if all(c > 1 and (seq % (2 * c) or cluster.world_size % c) for c in cp):
+            raise ValueError(f"No layout of {spec.name}: context_parallel={list(cp)} must divide the"
+                             f" {cluster.world_size} devices and half the sequence ({seq // 2} tokens).")
         raise ValueError(
             f"No layout of {spec.name} divides {cluster.world_size} devices and global batch {global_batch}: choose a"
             f" global batch divisible by the data-parallel degrees the device count allows (a multiple of"
