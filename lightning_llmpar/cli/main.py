@@ -254,6 +254,12 @@ def console() -> None:
         sys.exit(lighthouse_command(sys.argv[2:]))
     try:
         main()
+        # Every rank is done: the process groups go now, not in the interpreter's exit, where gloo's threads
+        # outliving Python aborted a finished run now and then ("terminate called without an active exception").
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
     except SIGTERMException:
         # Lightning stops a SIGTERMed run with a bare SystemExit, status 0: a scheduler's retry policy would count
         # the preempted run as finished. The status a SIGTERM gives a process that does not handle it instead.
