@@ -281,8 +281,8 @@ class ActivationCheckpointing(Callback):
         stack = find_block_stack(module)
         if stack is None:
             raise ValueError(
-                "Activation checkpointing works per block; no stack of blocks (an nn.ModuleList, ModuleDict or Sequential of"
-                f" them) was found in {type(module).__name__}. Name it with block_stack='...'."
+                "Activation checkpointing works per block; no stack of blocks (an nn.ModuleList, ModuleDict or"
+                f" Sequential of them) was found in {type(module).__name__}. Name it with block_stack='...'."
             )
         self.planner = wrap_blocks(stack.modules(), self.plan, stack.names(), _lockstep_groups(mesh), self.measure)
         self.applied = True

@@ -97,8 +97,8 @@ def build_pipeline(
     stack = find_block_stack(module)
     if stack is None:
         raise ValueError(
-            f"Pipeline parallelism needs the model's blocks in one nn.ModuleList, nn.ModuleDict or nn.Sequential; none was found in"
-            f" {type(module).__name__}. Name it with block_stack='...' (see docs/model-convention.md)."
+            "Pipeline parallelism needs the model's blocks in one nn.ModuleList, nn.ModuleDict or nn.Sequential; none"
+            f" was found in {type(module).__name__}. Name it with block_stack='...' (see docs/model-convention.md)."
         )
     containers = [n for n, b in zip(stack.names(), stack.modules()) if not has_forward(b)]
     if containers:
