@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -103,6 +104,7 @@ def parallelize(
             check_no_dropout(model)  # so the per-rank dropout streams, which compiled code cannot use, are not needed
         tied = find_tied_weights(model)
         plan = infer_tp_plan(model, layout.tp, sequence_parallel=config.sequence_parallel, user_plan=config.tp_plan)
+        _warn_if_blocks_stay_whole(model, plan.styles, layout.tp)
         done.loss_parallel = _vocab_parallel_heads(plan, config.loss_parallel, layout.pp)
         apply_tensor_parallel(model, mesh["tp"], plan, rank_streams=not config.compile)
         retie(model, tied)  # sharding gave each user of a tied weight its own parameter
@@ -166,3 +168,22 @@ def _check_compiled_checkpointing(layout: ParallelLayout, config: ParallelConfig
         f"{layout.tp} fails in backward: a compiled block keeps no matmul outputs for selective recomputation under"
         " tensor parallelism. Use save='attention', mode='full' or 'every_k', or compile=False."
     )
+
+
+def _warn_if_blocks_stay_whole(model: nn.Module, styles: Mapping[str, Any], tp: int) -> None:
+    """The plan keeps a linear that fits no attention or MLP pattern whole: exact, but where that is every linear of
+    the blocks (a per-head ModuleList of Linears), each rank holds and computes the whole blocks. Said once."""
+    stack = find_block_stack(model)
+    if stack is None or not stack.prefix:
+        return
+    inside = stack.prefix + "."
+    if any(key.split("#", 1)[0].startswith(inside) for key, style in styles.items() if style is not None):
+        return
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(inside)]
+    if linears:
+        rank_zero_warn(
+            f"tensor_parallel={tp} splits nothing inside the blocks of '{stack.prefix}': their linears (e.g."
+            f" '{linears[0]}') fit no attention or MLP layout the plan knows, so every rank holds and computes the"
+            " whole blocks (exact, without the saving). Give their styles with tp_plan={...}"
+            " (docs/model-convention.md), or train this model without tensor parallelism."
+        )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from lightning.pytorch import Trainer
@@ -561,3 +563,29 @@ def test_experts_stacked_in_2d_weights_are_split_per_expert() -> None:
     assert type(style).__name__ == "SplitExperts" and sorted(style.params) == ["mlp.v1", "mlp.w1", "mlp.w2"]
     assert plan.packings[f"{experts}.mlp.w1"].sizes == (32,) * 4 and plan.local_counts[experts] == {"ffn_hidden_size": 16}
     assert plan.sequence_parallel
+
+
+def test_blocks_the_plan_leaves_whole_are_named() -> None:
+    # A lecture GPT's attention holds a ModuleList of per-head Linears: the plan kept every linear of its blocks
+    # whole and said so only in an INFO log, so tp2 ran with whole blocks on every rank while the user believed
+    # them split.
+    from lightning_llmpar.parallelize import _warn_if_blocks_stay_whole
+
+    class PerHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.heads = nn.ModuleList(nn.Linear(16, 4, bias=False) for _ in range(4))
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.proj(torch.cat([h(x) for h in self.heads], dim=-1))
+
+    model = nn.Module()
+    model.emb, model.blocks, model.head = nn.Embedding(8, 16), nn.Sequential(PerHeads(), PerHeads()), nn.Linear(16, 8)
+    with pytest.warns(UserWarning, match=r"tensor_parallel=2 splits nothing inside the blocks of 'blocks'.*"
+                                         r"'blocks.0.heads.0'.*tp_plan"):
+        _warn_if_blocks_stay_whole(model, infer_tp_plan(model, 2).styles, 2)
+    gpt = _gpt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_if_blocks_stay_whole(gpt, infer_tp_plan(gpt, 2).styles, 2)
