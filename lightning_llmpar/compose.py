@@ -18,7 +18,7 @@ calls the two.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -40,12 +40,13 @@ from lightning_llmpar.parallelize import ParallelConfig, Parallelized, paralleli
 from lightning_llmpar.pipeline.runner import PipelineRunner
 from lightning_llmpar.pipeline.setup import build_pipeline
 from lightning_llmpar.strategies.options import StrategyOptions
+from lightning_llmpar.tensor_parallel import Packing
 from lightning_llmpar.training.documents import apply_document_masking, refuse_packed_padding
 from lightning_llmpar.training.loss_normalization import PaddedMeanWarning, TokenNormalizer
 from lightning_llmpar.training.same_batch import SameBatchCheck
 from lightning_llmpar.training.sync_groups import apply_metric_groups
 
-__all__ = ["Composed", "SetupContext", "compose", "composed_before", "parallel_config"]
+__all__ = ["Composed", "SetupContext", "compose", "composed_before", "fill_weights", "parallel_config"]
 
 _DONE = "_llmpar_composed"  # on the LightningModule: what compose made of it
 
@@ -145,6 +146,17 @@ def composed_before(module: nn.Module, ctx: SetupContext, fitting: bool) -> Comp
     return done
 
 
+def fill_weights(module: nn.Module, options: StrategyOptions, device: torch.device,
+                 packings: Mapping[str, Packing] | None = None, aliases: Mapping[str, str] | None = None) -> None:
+    """Give a module built on the meta device its memory and read the pretrained weights the options name (this
+    rank's shards of a composed module; the whole of one the DeepSpeed engine takes)."""
+    materialize(module, device, find_tied_weights(module), packings)
+    if options.hf_checkpoint is not None:
+        load_hf_checkpoint(module, options.hf_checkpoint, packings, aliases)
+    if options.litgpt_checkpoint is not None:
+        load_litgpt_checkpoint(module, options.litgpt_checkpoint, packings, aliases)
+
+
 def compose(module: nn.Module, ctx: SetupContext) -> Composed:
     """Parallelize ``module`` in place for this rank (the steps and their order are in the module docstring)."""
     options, layout, mesh = ctx.options, ctx.layout, ctx.mesh
@@ -188,11 +200,7 @@ def compose(module: nn.Module, ctx: SetupContext) -> Composed:
     setattr(module, _DONE, done)
     # Weights built on the meta device get memory now, for this rank's shards only (ties as they stand after
     # sharding: to_empty gives every name its own memory).
-    materialize(module, ctx.device, find_tied_weights(module), done.parallelized.packings)
-    if options.hf_checkpoint is not None:
-        load_hf_checkpoint(module, options.hf_checkpoint, done.parallelized.packings, done.aliases())
-    if options.litgpt_checkpoint is not None:
-        load_litgpt_checkpoint(module, options.litgpt_checkpoint, done.parallelized.packings, done.aliases())
+    fill_weights(module, options, ctx.device, done.parallelized.packings, done.aliases())
     if done.runner is not None and done.runner.ties is not None:
         done.runner.ties.make_equal()
     return done

@@ -20,8 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_llmpar.activation_checkpointing.policy import ActivationCheckpointing
-from lightning_llmpar.checkpointing.hf_checkpoint import load_hf_checkpoint
-from lightning_llmpar.checkpointing.litgpt_checkpoint import load_litgpt_checkpoint
+from lightning_llmpar.compose import fill_weights
 from lightning_llmpar.data_parallel.backend import BackendContext, ShardingBackend
 from lightning_llmpar.data_parallel.deepspeed_config import (
     build_deepspeed_config,
@@ -29,9 +28,7 @@ from lightning_llmpar.data_parallel.deepspeed_config import (
     check_nvme,
     deepspeed_precision,
 )
-from lightning_llmpar.modeling.materialize import materialize
 from lightning_llmpar.modeling.structure import mark_block_stack
-from lightning_llmpar.modeling.ties import find_tied_weights
 from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.strategies.options import StrategyOptions
 from lightning_llmpar.training.documents import apply_document_masking
@@ -107,11 +104,7 @@ class DeepSpeedBackend(ShardingBackend):
         # The engine takes the whole module, and the strategy's composition does not run: a model built on the meta
         # device gets memory here, pretrained weights are read whole, the named block stack and activation
         # checkpointing are applied here.
-        materialize(module, s.root_device, find_tied_weights(module))
-        if self.options.hf_checkpoint is not None:
-            load_hf_checkpoint(module, self.options.hf_checkpoint)
-        if self.options.litgpt_checkpoint is not None:
-            load_litgpt_checkpoint(module, self.options.litgpt_checkpoint)
+        fill_weights(module, self.options, s.root_device)
         if self.options.block_stack is not None:
             mark_block_stack(module, self.options.block_stack)
         checkpointing = next((c for c in trainer.callbacks if isinstance(c, ActivationCheckpointing)), None)

@@ -40,7 +40,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_llmpar.tensor_parallel.styles import SplitLinear
+from lightning_llmpar.tensor_parallel.styles import SplitLinear, require_all
 
 __all__ = ["LossParallel", "VocabParallelHead", "split_logits"]
 
@@ -201,11 +201,8 @@ def _check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
     """A target outside the vocabulary falls in no rank's slice and would count as a zero logit, silently: one
     process raises on it, and so does this (on a GPU as a device-side assert, without waiting for the device)."""
     valid = (target == ignore_index) | ((target >= 0) & (target < vocab))
-    if target.device.type == "cuda":
-        torch._assert_async(valid.all(), f"cross-entropy target outside the vocabulary of {vocab}")
-    elif not bool(valid.all()):
-        raise IndexError(f"Target {int(target[~valid][0])} is out of bounds (the vocabulary has {vocab} entries, split"
-                         " over the tensor-parallel ranks); one process raises on it too.")
+    require_all(valid, lambda: (f"Target {int(target[~valid][0])} is out of bounds (the vocabulary has {vocab}"
+                                " entries, split over the tensor-parallel ranks); one process raises on it too."))
 
 
 def _name(func: Any) -> str:

@@ -8,6 +8,7 @@ sequence parallelism and its gather/scatter follow whatever view the model uses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from lightning_llmpar.tensor_parallel.lora import check_lora, is_lora
 
 __all__ = [
     "VocabEmbedding",
+    "require_all",
     "SplitLinear",
     "SplitExperts",
     "HeadSlice",
@@ -367,15 +369,20 @@ class VocabEmbedding(RowwiseParallel):
                           device_mesh: Any) -> Any:
         ids = inputs[0].to_local() if isinstance(inputs[0], DTensor) else inputs[0]
         size = mod.num_embeddings  # type: ignore[attr-defined]  # the whole vocabulary's, kept by the split
-        if ids.numel() and ids.device.type == "cuda":
-            torch._assert_async(((ids >= 0) & (ids < size)).all(), f"token id outside the vocabulary of {size}")
-        elif ids.numel() and not bool(((ids >= 0) & (ids < size)).all()):
-            bad = ids[(ids < 0) | (ids >= size)]
-            raise IndexError(
-                f"Token ids {sorted(set(bad.tolist()))[:5]} are outside the embedding's vocabulary of {size} (ids 0 to"
-                f" {size - 1}); one process raises on them too. Check the tokenizer against the model's vocab_size."
-            )
+        valid = (ids >= 0) & (ids < size)
+        require_all(valid, lambda: (
+            f"Token ids {sorted(set(ids[~valid].tolist()))[:5]} are outside the embedding's vocabulary of {size} (ids"
+            f" 0 to {size - 1}); one process raises on them too. Check the tokenizer against the model's vocab_size."))
         return RowwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+
+
+def require_all(valid: Tensor, message: Callable[[], str]) -> None:
+    """Raise ``IndexError(message())`` unless every entry of ``valid`` holds; on a GPU a device-side assert, which
+    does not wait for the device. Ids a vocabulary split puts in no rank's slice, refused as one process does."""
+    if valid.device.type == "cuda":
+        torch._assert_async(valid.all(), "an index outside the vocabulary")
+    elif not bool(valid.all()):
+        raise IndexError(message())
 
     @staticmethod
     def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
