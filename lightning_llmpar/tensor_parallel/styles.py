@@ -375,6 +375,12 @@ class VocabEmbedding(RowwiseParallel):
             f" 0 to {size - 1}); one process raises on them too. Check the tokenizer against the model's vocab_size."))
         return RowwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
 
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
+                           device_mesh: Any) -> Any:
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return out.clone() if use_local_output else out
+
 
 def require_all(valid: Tensor, message: Callable[[], str]) -> None:
     """Raise ``IndexError(message())`` unless every entry of ``valid`` holds; on a GPU a device-side assert, which
@@ -383,9 +389,3 @@ def require_all(valid: Tensor, message: Callable[[], str]) -> None:
         torch._assert_async(valid.all(), "an index outside the vocabulary")
     elif not bool(valid.all()):
         raise IndexError(message())
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any,
-                           device_mesh: Any) -> Any:
-        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-        return out.clone() if use_local_output else out

@@ -219,3 +219,34 @@ def test_targets_outside_the_vocabulary_are_refused_by_the_parallel_loss() -> No
     assert one is not None and one.startswith("Target 53 is out of bounds"), one
     errors = run_ranks(_fit_targets_past_the_vocabulary, 2, {"tensor_parallel": 2, "loss_parallel": True})
     assert all(e is not None and e.startswith("Target 53 is out of bounds (the vocabulary has 48") for e in errors), errors
+
+
+
+def _embed_scaled(in_place: bool) -> list[float]:
+    """Gradients of the split embedding when the model scales its output (CTRL: ``inputs_embeds *= sqrt(d)``)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_llmpar.tensor_parallel.styles import VocabEmbedding
+
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(VOCAB, 8)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    dist.init_process_group("gloo")
+    parallelize_module(emb, init_device_mesh("cpu", (2,)), VocabEmbedding())
+    out = emb(ids)
+    if in_place:
+        out *= 3.0
+    else:
+        out = out * 3.0
+    out.pow(2).sum().backward()
+    return emb.weight.grad.full_tensor().flatten().tolist()
+
+
+def test_the_vocabulary_split_embedding_output_can_be_changed_in_place() -> None:
+    # DTensor.to_local returns a view autograd forbids changing in place; the split embedding returns its own tensor,
+    # whose in-place change differentiates as the same change out of place.
+    apart = run_ranks(_embed_scaled, 2, False)
+    for grads, ref in zip(run_ranks(_embed_scaled, 2, True), apart, strict=True):
+        assert grads == ref
