@@ -120,7 +120,7 @@ def _launch(fn: Callable[..., Any], world: int, args: tuple, kwargs: dict, timeo
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
-    reported: set[int] = set()
+    reported: set[int] = set()  # returned a result or raised
     deadline = time.monotonic() + timeout
     while len(reported) < world:
         if time.monotonic() > deadline:
@@ -160,7 +160,9 @@ def _launch(fn: Callable[..., Any], world: int, args: tuple, kwargs: dict, timeo
             raise (NativeCrash if crashed else RuntimeError)("\n".join([
                 *died,  # first, so that a summary's one line tells where a native crash happened
                 *errors,
-                f"only {sorted(results)} of {world} ranks finished (exit codes {codes}, timeout {timeout}s){stacks}"
+                f"ranks {sorted(results)} of {world} returned, ranks {sorted(reported - set(results))} raised (above),"
+                f" ranks {sorted(set(range(world)) - reported)} never reported (exit codes {codes}, timeout"
+                f" {timeout}s){stacks}"
             ]))
         return [results[r] for r in range(world)]
     finally:
