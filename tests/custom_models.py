@@ -104,6 +104,58 @@ class SequentialStack(_Base):
         return self.blocks(x)
 
 
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's attention: one fused c_attn, rows [all q; all k; all v]; the width read from the input unless
+    ``own_width`` (then from the module, as forks of it write it)."""
+
+    def __init__(self, own_width: bool) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.n_head, self.n_embd, self.own_width = 4, WIDTH, own_width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()  # noqa: N806 - nanoGPT's names
+        if self.own_width:
+            C = self.n_embd  # noqa: N806
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class _NanoMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_fc, self.gelu, self.c_proj = nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class _NanoBlock(nn.Module):
+    def __init__(self, own_width: bool) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(WIDTH), CausalSelfAttention(own_width), nn.LayerNorm(WIDTH)
+        self.mlp = _NanoMLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(_Base):
+    """nanoGPT's blocks in ``transformer.h``; ``nanogpt_own_width``: its attention reshapes with ``self.n_embd``."""
+
+    def __init__(self, name: str = "", **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        self.transformer = nn.ModuleDict({"h": nn.ModuleList(_NanoBlock(name == "nanogpt_own_width") for _ in range(2))})
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.transformer.h:
+            x = block(x)
+        return x
+
+
 class Indexed(Zipped):
     """A forward that indexes its blocks: ``for i in range(len(self.layers)): self.layers[i](...)``."""
 
@@ -289,6 +341,7 @@ class GPTMoE(ShiftedLM):
 
 CUSTOM = {"containers": Containers, "zipped": Zipped, "indexed": Indexed, "reuses_embedding": ReusesEmbedding, "unchained": Unchained,
           "passes_state": PassesState, "looped": Looped, "called_twice": CalledTwice, "sequential": SequentialStack, "reads_embedding": ReadsEmbedding,
+          "nanogpt": NanoGPT, "nanogpt_own_width": NanoGPT,
           "reads_gated_embedding": ReadsGatedEmbedding,
           "gpt_moe": GPTMoE, "titan_tied": TitanLM, "titan_untied": TitanLM,
           "titan_named": TitanLM, "titan_from1": TitanLM}

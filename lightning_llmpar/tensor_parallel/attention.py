@@ -46,6 +46,8 @@ class AttentionPlanning:
         return Packing(1 if is_conv1d(child) else 0, (width // 2, width // 2), self.tp)
 
     def _plan_attention(self, full: str, attn: nn.Module, roles: dict[str, str], cols: list[str]) -> Any:
+        if all(self.styles.get(_join(full, n), False) is None for n in cols):
+            return None  # the user's plan keeps q/k/v whole ('replicate'): every rank holds every head, as its counts say
         fused = [n for n in cols if roles[n] == "qkv"]
         layout = None
         if fused and _join(full, fused[0]) not in self.claimed:

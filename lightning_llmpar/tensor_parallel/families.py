@@ -8,9 +8,11 @@ refused with the ``tp_plan`` entry that describes it (see docs/model-convention.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from lightning_llmpar.modeling.packing import Packing
@@ -186,8 +188,44 @@ def _causal_self_attention(attn: nn.Module, tp: int) -> FusedLayout | None:
         return _concat(attn, tp, 0, config.n_head, config.n_query_groups, config.head_size)
     if isinstance(getattr(attn, "n_head", None), int) and isinstance(getattr(attn, "n_embd", None), int):
         # nanoGPT: c_attn rows [all q; all k; all v], split with n_embd.
+        _check_nanogpt_reshapes(attn, tp)
         return _concat(attn, tp, 0, attn.n_head, attn.n_head, attn.n_embd // attn.n_head)
     return None
+
+
+def _check_nanogpt_reshapes(attn: nn.Module, tp: int) -> None:
+    """nanoGPT's and minGPT's forward read the width from their input (``B, T, C = x.size()``, then
+    ``view(B, T, n_head, C // n_head)``), which stays whole while a rank holds ``n_head / tp`` heads: the first step
+    would fail in the reshape. Proven here on a meta-device copy of the attention (no memory, no data), with the
+    whole widths and with one rank's, before anything is split."""
+    c_attn, c_proj = getattr(attn, "c_attn", None), getattr(attn, "c_proj", None)
+    if not isinstance(c_attn, nn.Linear) or not isinstance(c_proj, nn.Linear):
+        return
+    width = attn.n_embd
+
+    def runs(ranks: int) -> bool:
+        memo: dict[int, object] = {id(t): torch.empty_like(t, device="meta") for t in attn.buffers()}
+        memo.update({id(p): nn.Parameter(torch.empty_like(p, device="meta")) for p in attn.parameters()})
+        probe = copy.deepcopy(attn, memo)
+        probe.n_head, probe.n_embd = attn.n_head // ranks, width // ranks
+        probe.c_attn = nn.Linear(width, 3 * width // ranks, bias=c_attn.bias is not None, device="meta")
+        probe.c_proj = nn.Linear(width // ranks, width, bias=c_proj.bias is not None, device="meta")
+        try:
+            probe(torch.empty(1, 2, width, device="meta"))
+        except Exception:  # noqa: BLE001 - a forward this probe cannot call proves nothing either way
+            return False
+        return True
+
+    if runs(1) and not runs(tp):
+        raise ValueError(
+            f"{type(attn).__name__} reads its width from its input (`B, T, C = x.size()`, then `C // self.n_head`),"
+            f" which tensor parallelism keeps whole ({width}) while each rank holds {attn.n_head // tp} of its"
+            f" {attn.n_head} heads: its reshape would fail at the first step. Reshape with the module's own width"
+            " instead (`C // self.n_head` -> `self.n_embd // self.n_head`, `view(B, T, C)` -> `view(B, T,"
+            " self.n_embd)`: the strategy gives each rank its n_head and n_embd), or keep the attention whole and"
+            " split the MLP: sequence_parallel=False, tp_plan={'<blocks>.*.attn.c_attn': 'replicate',"
+            " '<blocks>.*.attn.c_proj': 'replicate'} (docs/model-convention.md)."
+        )
 
 
 FUSED_QKV_LAYOUTS: dict[str, Callable[[nn.Module, int], FusedLayout | None]] = {

@@ -20,6 +20,8 @@ from tests.zoo import assert_exact, fit_cases, save_litgpt
 HAS_LITGPT = importlib.util.find_spec("litgpt") is not None
 BATCH = 8
 PP2 = {"pipeline_parallel": 2}
+NANO_WHOLE = {"tensor_parallel": 2, "sequence_parallel": False,
+              "tp_plan": {"transformer.h.*.attn.c_attn": "replicate", "transformer.h.*.attn.c_proj": "replicate"}}
 
 # (model, strategy kwargs): exact vs one process.
 EXACT = [
@@ -41,6 +43,10 @@ EXACT = [
     ("titan_untied", {**PP2, "block_stack": "model.layers"}),  # a ModuleDict stack, named
     # Blocks in an nn.Sequential the forward calls whole (minimal GPTs): refused as "no stack" under TP and PP.
     *[("sequential", kw) for kw in ({"tensor_parallel": 2}, PP2, {**PP2, "pipeline_schedule": "1F1B"})],
+    # nanoGPT's fused c_attn split by heads where the attention reshapes with its own width; kept whole by the plan
+    # the refusal below names where it reads the width from its input.
+    ("nanogpt_own_width", {"tensor_parallel": 2}),
+    ("nanogpt", NANO_WHOLE),
 ]
 # (model, strategy kwargs, words the ValueError must contain): refused before the first step.
 REFUSED = [
@@ -56,6 +62,9 @@ REFUSED = [
     ("reads_gated_embedding", PP2, ["run on every pipeline rank", "pipeline_schedule='1F1B'"]),  # gradients show it
     ("zipped", {**PP2, "block_stack": "nope"}, ["block_stack='nope'", "names no module"]),
     ("zipped", {**PP2, "block_stack": "head"}, ["block_stack='head'", "nn.ModuleList"]),
+    # nanoGPT reads its width from its input (C = x.size(-1)) while a rank holds half the heads: the reshape failed
+    # at the first step.
+    ("nanogpt", {"tensor_parallel": 2}, ["reads its width from its input", "self.n_embd // self.n_head", "replicate"]),
 ]
 
 
@@ -82,7 +91,7 @@ def litgpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
 @pytest.fixture(scope="module")
 def runs(litgpt_dir: Path | None) -> tuple[dict, dict]:
     names = ("containers", "zipped", "indexed", "passes_state", "reads_embedding", "reads_gated_embedding", "titan_untied",
-             "sequential")
+             "sequential", "nanogpt", "nanogpt_own_width")
     refs = [(m, None, BATCH) for m in names]
     cases = [(m, kw, _per_rank(kw)) for m, kw in EXACT] + [(m, kw, _per_rank(kw)) for m, kw, _ in REFUSED]
     if litgpt_dir is not None:
