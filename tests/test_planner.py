@@ -415,6 +415,10 @@ def test_plan_ranks_fitting_layouts_by_step_time_and_refuses_bad_input(tmp_path:
     assert tiny.best is None
     with pytest.raises(ValueError, match="No layout .* fits 0.5 GB"):
         tiny.write_config(tmp_path / "none.yaml")
+    # A tiny model's peak is printed with its digits, not as 0.00 GiB.
+    small = plan(GPT, cluster_from("h100", gpus_per_node=2), global_batch=2, seq=64)
+    peak = small.table().splitlines()[2].split()[-5]  # peak GiB, step s, tok/s, MFU, fits
+    assert 0 < float(peak) < 0.1 and peak == f"{small.best.memory.peak / 2**30:.2g}", small.table()
     # From a model alone (no trainer settings), the written config is bounded: 1000 steps, not 1000 epochs.
     written = yaml.safe_load(result.write_config(tmp_path / "gpt.yaml").read_text())
     assert written["trainer"]["max_steps"] == 1000 and written["data"]["init_args"]["block_size"] == 1024

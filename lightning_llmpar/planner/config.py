@@ -9,7 +9,7 @@ import yaml
 
 from lightning_llmpar.planner.candidate import Candidate
 from lightning_llmpar.planner.cluster import Cluster, Precision
-from lightning_llmpar.planner.memory import MemoryEstimate
+from lightning_llmpar.planner.memory import MemoryEstimate, gib_text
 from lightning_llmpar.planner.spec import ModelSpec
 from lightning_llmpar.planner.speed import TimeEstimate
 
@@ -160,7 +160,7 @@ def fit_config(plan: Plan, row: PlannedLayout) -> str:
         f"# ({plan.cluster.memory_gb:g} GB each), global batch {plan.global_batch} x {plan.seq} tokens,"
         f" {plan.precision.name}.\n"
         f"# Layout {c.label()}\n"
-        f"# Predicted: peak {m.peak / 2**30:.2f} GiB per device (pipeline rank {m.rank}), step {t.step:.4f} s,"
+        f"# Predicted: peak {gib_text(m.peak)} GiB per device (pipeline rank {m.rank}), step {t.step:.4f} s,"
         f" {t.tokens_per_s:.0f} tokens/s, MFU {t.mfu:.1%}.\n"
         + ("# Async tensor parallelism is assumed by the prediction; the strategy has no such option.\n"
            if c.async_tp else "")

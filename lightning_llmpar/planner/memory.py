@@ -19,12 +19,18 @@ from lightning_llmpar.planner.cluster import Precision
 from lightning_llmpar.planner.spec import ModelSpec
 from lightning_llmpar.planner.split import FP32, rank_blocks, rank_matmul_params, rank_params
 
-__all__ = ["MemoryEstimate", "activation_elements", "autocast_over_fp32", "eager_autocast", "predict_memory",
+__all__ = ["MemoryEstimate", "gib_text", "activation_elements", "autocast_over_fp32", "eager_autocast", "predict_memory",
            "predict_rank_memory", "ring_attention_backward_bytes"]
 
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
 # The share of a layer's matmuls whose inputs backward recomputes, by checkpointing mode.
 RECOMPUTED_SHARE = {"none": 0.0, "full": 1.0, "selective": 1.0, "every_2": 0.5, "selective_op": 0.5}
+
+
+def gib_text(size: float) -> str:
+    """Bytes in GiB with two decimals, or two significant digits under 0.1 GiB (a tiny model's peak read 0.00)."""
+    gib = size / 2**30
+    return f"{gib:.2f}" if gib >= 0.1 or gib == 0 else f"{gib:.2g}"
 
 
 @dataclass(frozen=True)

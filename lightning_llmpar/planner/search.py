@@ -11,7 +11,7 @@ from typing import Any
 from lightning_llmpar.planner.candidate import CHECKPOINTING, Candidate
 from lightning_llmpar.planner.cluster import PRECISIONS, Cluster, Precision, cluster_from
 from lightning_llmpar.planner.config import check_writable, fit_config, source_sections
-from lightning_llmpar.planner.memory import MemoryEstimate, predict_memory
+from lightning_llmpar.planner.memory import MemoryEstimate, gib_text, predict_memory
 from lightning_llmpar.planner.spec import ModelSpec, model_spec
 from lightning_llmpar.planner.speed import TimeEstimate, predict_step_time
 
@@ -143,7 +143,7 @@ class Plan:
                  f" global batch {self.global_batch} x {self.seq} tokens; {self.precision.name}",
                  f"{'#':>3}  {'layout':<58} {'peak GiB':>9} {'step s':>9} {'tok/s':>10} {'MFU':>6}  fits"]
         for i, row in enumerate(self.layouts[:top], 1):
-            lines.append(f"{i:>3}  {row.candidate.label():<58} {row.memory.peak / GiB:>9.2f} {row.time.step:>9.4f}"
+            lines.append(f"{i:>3}  {row.candidate.label():<58} {gib_text(row.memory.peak):>9} {row.time.step:>9.4f}"
                          f" {row.time.tokens_per_s:>10.0f} {row.time.mfu:>6.1%}  {'yes' if row.fits else 'NO'}")
         fitting = sum(r.fits for r in self.layouts)
         lines.append(f"{fitting} of {len(self.layouts)} layouts fit.")
