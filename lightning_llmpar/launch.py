@@ -157,6 +157,12 @@ def _launch(fn: Callable[..., Any], world: int, args: tuple, kwargs: dict, timeo
             died = [f"rank {r} died ({codes[r]}) at {_innermost(crash_logs[r])}" for r in range(world)
                     if codes[r] not in (None, 0) and r not in reported]
             crashed = any(codes[r] in _CRASHES for r in range(world) if r not in reported)
+            if any(codes[r] == 1 and not _faulthandler_lines(crash_logs[r]) for r in range(world) if r not in reported):
+                # Exited before the rank function ran: each rank imports the starting script again, which runs
+                # its top-level code (multiprocessing's "safe importing of main module").
+                stacks += ("\nA rank that exits with code 1 before running is most often a script that starts ranks"
+                           " from its top-level code: put that code under `if __name__ == \"__main__\":`. The rank's"
+                           " own message is on this process's stderr.")
             raise (NativeCrash if crashed else RuntimeError)("\n".join([
                 *died,  # first, so that a summary's one line tells where a native crash happened
                 *errors,
