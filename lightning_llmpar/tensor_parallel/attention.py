@@ -46,7 +46,16 @@ class AttentionPlanning:
         return Packing(1 if is_conv1d(child) else 0, (width // 2, width // 2), self.tp)
 
     def _plan_attention(self, full: str, attn: nn.Module, roles: dict[str, str], cols: list[str]) -> Any:
-        if all(self.styles.get(_join(full, n), False) is None for n in cols):
+        whole = {n: self.styles.get(_join(full, n), False) is None for n, r in roles.items() if r in ("col", "qkv", "row")}
+        if len(set(whole.values())) > 1:  # the heads whole on one side of the attention, split on the other
+            kept, split = sorted(n for n, w in whole.items() if w), sorted(n for n, w in whole.items() if not w)
+            raise ValueError(
+                f"tp_plan keeps {[_join(full, n) for n in kept]} whole ('replicate') but the plan splits"
+                f" {[_join(full, n) for n in split]} by heads: the attention's heads cannot be whole on one side and"
+                f" split on the other (its first step would fail in a matmul). Give the same style to all of"
+                f" {sorted(whole)}: 'replicate' to keep the attention whole, or none to split it."
+            )
+        if all(whole.values()):
             return None  # the user's plan keeps q/k/v whole ('replicate'): every rank holds every head, as its counts say
         fused = [n for n in cols if roles[n] == "qkv"]
         layout = None

@@ -65,6 +65,9 @@ REFUSED = [
     # nanoGPT reads its width from its input (C = x.size(-1)) while a rank holds half the heads: the reshape failed
     # at the first step.
     ("nanogpt", {"tensor_parallel": 2}, ["reads its width from its input", "self.n_embd // self.n_head", "replicate"]),
+    # q/k/v kept whole, the output projection split by heads: a matmul's shapes failed at the first step.
+    ("nanogpt_own_width", {**NANO_WHOLE, "tp_plan": {"transformer.h.*.attn.c_attn": "replicate"}},
+     ["keeps ['transformer.h.0.attn.c_attn'] whole", "splits ['transformer.h.0.attn.c_proj']", "same style"]),
 ]
 
 
