@@ -60,7 +60,24 @@ def describe(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _all_files(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    """Every file under ``folder``; a symbolic link counts as one file, never followed (it may lead outside)."""
+    found = []
+    for root, dirs, files in os.walk(folder):  # followlinks=False: a linked folder is listed, not entered
+        rel = Path(root).relative_to(folder)
+        found += [str(rel / n) for n in files if n != MANIFEST]
+        found += [str(rel / d) for d in dirs if os.path.islink(os.path.join(root, d))]
+    return sorted(found)
+
+
+def _through_link(folder: Path, name: str) -> bool:
+    """Whether ``folder / name`` passes through a symbolic link below ``folder``: this library writes none, and a
+    planted one can lead a manifest's name to a file outside the folder."""
+    path = folder
+    for part in Path(name).parts:
+        path = path / part
+        if path.is_symlink():
+            return True
+    return False
 
 
 def write_manifest(folder: Path, kind: str, lineage: str | None = None, names: list[str] | None = None) -> dict[str, Any]:
@@ -119,6 +136,8 @@ def verify_manifest(folder: Path, manifest: dict[str, Any], *, checksums: bool =
     for name in names:
         expected = manifest["files"][name]
         file = folder / name
+        if _through_link(folder, name):
+            return f"file {name} is reached through a symbolic link, which this library never writes"
         if not file.is_file():
             return f"file {name} is missing (expected {expected['size']} bytes)"
         size = file.stat().st_size
@@ -157,6 +176,8 @@ def foreign_files(path: Path) -> list[str]:
 def remove_owned(path: Path) -> list[str]:
     """Delete what this library wrote at ``path`` (its manifest's files, the manifest, folders left empty) and
     nothing else; returns the names of the files kept because something else wrote them."""
+    if path.is_symlink():  # a link is not what this library writes: neither it nor what it leads to is removed
+        return [str(path)]
     if not path.is_dir():
         sidecar = sidecar_of(path)
         if read_manifest_file(sidecar) is not None:
@@ -170,12 +191,14 @@ def remove_owned(path: Path) -> list[str]:
     else:
         # The manifest goes last: until then an interrupted removal can still be finished by calling this again.
         for name in sorted(owned - {MANIFEST}):
-            (path / name).unlink(missing_ok=True)
+            if not _through_link(path, name):
+                (path / name).unlink(missing_ok=True)
         (path / MANIFEST).unlink(missing_ok=True)
-        kept = [n for n in _all_files(path) if n not in owned]
-    for folder in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-        if not any(folder.iterdir()):
-            folder.rmdir()
+        kept = [n for n in _all_files(path) if n not in owned or _through_link(path, n)]
+    for root, dirs, _ in os.walk(path, topdown=False):  # deepest first; linked folders are not entered
+        for folder in (Path(root) / d for d in dirs if not os.path.islink(os.path.join(root, d))):
+            if not any(folder.iterdir()):
+                folder.rmdir()
     if not any(path.iterdir()):
         path.rmdir()
     if kept:

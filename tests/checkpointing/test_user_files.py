@@ -132,3 +132,30 @@ def test_step_callbacks_count_a_step_lightning_takes_on_a_short_group(tmp_path: 
     logged = run_ranks(_export_and_log_every_3_steps, 1, str(tmp_path))[0]
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["final", "step=3", "step=6"]
     assert logged == [2, 5], logged  # Lightning's CSV rows are 0-based: global steps 3 and 6
+
+
+def test_pruning_never_follows_a_planted_symbolic_link(tmp_path: Path) -> None:
+    # A checkpoint's manifest naming `ext/thesis.tex`, `ext` a link planted in the folder: pruning deleted the file
+    # the link led to, outside the folder, then crashed on rmdir of the link.
+    import os
+
+    from lightning_llmpar.checkpointing.manifest import remove_owned, verify_manifest, write_manifest
+
+    ckpt, outside = tmp_path / "ckpts" / "step=2.ckpt", tmp_path / "home"
+    ckpt.mkdir(parents=True)
+    outside.mkdir()
+    (outside / "thesis.tex").write_text("a user's file\n")
+    (ckpt / "__0_0.distcp").write_bytes(b"x" * 10)
+    write_manifest(ckpt, "dcp", "lineage")
+    os.symlink(outside, ckpt / "ext")
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    manifest["files"]["ext/thesis.tex"] = {"size": 14, "crc32": "00000000"}
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    assert "symbolic link" in verify_manifest(ckpt, manifest)  # never an intact checkpoint to resume from
+    with pytest.warns(UserWarning, match=r"kept 1 file\(s\) this library did not write: \['ext'\]"):
+        assert remove_owned(ckpt) == ["ext"]
+    assert (outside / "thesis.tex").read_text() == "a user's file\n" and (ckpt / "ext").is_symlink()
+    assert not (ckpt / "__0_0.distcp").exists()  # what the run wrote is gone
+    # A checkpoint path that is itself a link (to a folder of ours) is kept, and so is what it leads to.
+    (tmp_path / "linked").symlink_to(ckpt.parent)
+    assert remove_owned(tmp_path / "linked") == [str(tmp_path / "linked")] and (tmp_path / "linked").is_symlink()
