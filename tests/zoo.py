@@ -288,10 +288,14 @@ class HFCausalLM(LightningModule):
 
 class _Tokens(Dataset):
     """Random token windows; ``padded``: right-padded to SEQ from random lengths (labels -100, attention mask;
-    ``"positions"``: also position_ids, the pads' counted from 0 again, as some collators write them); ``pairs``: (inputs, targets) from windows of SEQ + 1 tokens, as pretraining data comes, instead of dicts."""
+    ``"positions"``: also position_ids, the pads' counted from 0 again, as some collators write them; ``"ignored"``:
+    some samples' labels all -100); ``pairs``: (inputs, targets) from windows of SEQ + 1 tokens, as pretraining data comes, instead of dicts."""
 
     def __init__(self, n: int, seed: int = 1234, padded: bool | str = False, pairs: bool = False) -> None:
         self.pad_positions = padded == "positions"
+        # "ignored": samples whose labels are all ignored (a masked prompt), so that in the first global batch a
+        # data-parallel rank (samples 0, 2, 4, 6) and a pipeline's first microbatches hold no valid target.
+        self.ignored = {0, 1, 2, 3, 4, 6} if padded == "ignored" else set()
         g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(2, VOCAB, (n, SEQ), generator=g)
         self.lengths = torch.randint(3, SEQ + 1, (n,), generator=g) if padded else None
@@ -306,8 +310,8 @@ class _Tokens(Dataset):
         if self.lengths is None:
             return {"input_ids": self.ids[i], "labels": self.ids[i]}
         keep = torch.arange(SEQ) < self.lengths[i]
-        row = {"input_ids": torch.where(keep, self.ids[i], 0), "labels": torch.where(keep, self.ids[i], -100),
-               "attention_mask": keep.long()}
+        labels = torch.where(keep & (i not in self.ignored), self.ids[i], -100)
+        row = {"input_ids": torch.where(keep, self.ids[i], 0), "labels": labels, "attention_mask": keep.long()}
         if self.pad_positions:
             row["position_ids"] = torch.where(keep, torch.arange(SEQ), torch.arange(SEQ) - self.lengths[i])
         return row

@@ -70,7 +70,8 @@ def _loss(out: Any) -> Tensor:
 
 
 def _close(a: Tensor, b: Tensor) -> bool:
-    return a.shape == b.shape and bool(torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5))
+    # NaN where the whole model has NaN too: a sample whose labels are all ignored has a NaN mean loss (0/0).
+    return a.shape == b.shape and bool(torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5, equal_nan=True))
 
 
 def first_sample(trainer: Any) -> Any:
@@ -85,14 +86,27 @@ def first_sample(trainer: Any) -> Any:
         if dataset is None or isinstance(dataset, IterableDataset) or len(dataset) == 0:  # type: ignore[arg-type]
             raise TypeError("not one map-style dataset")
         with torch.random.fork_rng(devices=[]):
-            if loader.batch_sampler is None:
-                # batch_size=None: each item is a batch already (collate_fn only converts it); its first sample.
-                batch = loader.collate_fn(dataset[0]) if loader.collate_fn else dataset[0]
-                return tree_map(lambda x: x[:1] if isinstance(x, Tensor) and x.ndim else x, batch)
-            return (loader.collate_fn or default_collate)([dataset[0]])
+            def sample(i: int) -> Any:
+                if loader.batch_sampler is None:
+                    # batch_size=None: each item is a batch already (collate_fn only converts it); its first sample.
+                    batch = loader.collate_fn(dataset[i]) if loader.collate_fn else dataset[i]
+                    return tree_map(lambda x: x[:1] if isinstance(x, Tensor) and x.ndim else x, batch)
+                return (loader.collate_fn or default_collate)([dataset[i]])
+
+            # A sample whose labels are all ignored has a NaN loss (0/0) and NaN gradients: nothing to compare.
+            for i in range(min(len(dataset), 64)):  # type: ignore[arg-type]
+                if not _all_ignored(batch := sample(i)):
+                    return batch
+            return sample(0)
     except Exception as err:  # noqa: BLE001 - the check is optional; the first step checks what it can
         log.info("pipeline split not checked before training (no sample at hand: %s)", err)
         return None
+
+
+def _all_ignored(batch: Any) -> bool:
+    """Whether a batch's labels (a dict's ``labels``, or a pair's integer targets) are all -100, the ignore index."""
+    labels = batch.get("labels") if isinstance(batch, dict) else batch[-1] if isinstance(batch, list | tuple) else None
+    return isinstance(labels, Tensor) and not labels.is_floating_point() and bool((labels == -100).all())
 
 
 def step_on_one_sample(trainer: Any, strategy: Any) -> Callable[[], Any] | None:

@@ -321,7 +321,8 @@ class PipelineRunner:
             counts = torch.tensor(self._tokens_of[-len(losses) :] if losses and self.tokens else [1.0], dtype=torch.float64)
             tokens, value = counts.sum(), stacked.mean()
             if losses and self.tokens is not None and float(tokens) > 0:  # the mean over the step's valid targets
-                value = (stacked * counts).sum() / tokens
+                # A microbatch without a valid target has a NaN mean loss (0/0) that counts for nothing.
+                value = torch.where(counts > 0, stacked * counts, 0.0).sum() / tokens
             has_extras = float(bool(outs) and isinstance(outs[0], dict) and len(outs[0]) > 1)
             packed = torch.tensor([float(value), has_extras, float(tokens), wide], dtype=torch.float64).to(self.device)
             dist.broadcast(packed, group=self.pp_group, group_src=self.last_rank)  # one broadcast

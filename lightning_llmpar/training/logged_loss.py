@@ -106,7 +106,9 @@ def global_loss(loss: Tensor, weight: float, tokens: float, group: dist.ProcessG
     normalization), summed and divided by the tokens over ``group``. Ranks holding the same data (tensor and
     pipeline peers) add equal terms to the sum and to the count, so the whole world can be the group."""
     local = loss.detach().double()
-    pair = torch.stack([local * weight * tokens, torch.full_like(local, float(tokens))])
+    # A rank without a valid target (its labels all ignored) has a NaN mean loss (0/0) that counts for nothing.
+    term = local * weight * tokens if tokens > 0 else torch.zeros_like(local)
+    pair = torch.stack([term, torch.full_like(local, float(tokens))])
     dist.all_reduce(pair, group=group)
     # No valid target anywhere (every label ignored): the step's own value, not 0/0.
     return torch.where(pair[1] > 0, pair[0] / pair[1].clamp_min(1e-30), local).to(loss.dtype)
