@@ -332,7 +332,9 @@ def save_hf_checkpoint(trainer: Any, directory: str | Path, dtype: torch.dtype |
             if target in state and source in state and torch.equal(state[target], state[source]):
                 del state[target]  # transformers ties it again on load
         staging = prepare_staging(path)
+        dtypes = {t.dtype for t in state.values() if t.is_floating_point()}  # save_pretrained empties `state`
         model.save_pretrained(str(staging), state_dict=state, safe_serialization=True, is_main_process=True)
+        _config_dtype_of_weights(staging, dtypes)
         refused = publish(staging, path, "hf")
     else:
         refused = None
@@ -384,3 +386,17 @@ class HFCheckpointExport(Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         # Beside the step exports, not over them.
         self.last = save_hf_checkpoint(trainer, Path(self.dirpath).expanduser() / "final", self.dtype)
+
+
+def _config_dtype_of_weights(folder: Path, dtypes: set[torch.dtype]) -> None:
+    """``config.json``'s dtype as the weights written (``dtypes``): transformers takes it from the model (fp32
+    masters here), so a bf16 export said float32 and ``from_pretrained(dtype="auto")`` loaded it in float32."""
+    file = folder / "config.json"
+    if len(dtypes) != 1 or not file.is_file():
+        return
+    config = json.loads(file.read_text())
+    name = str(dtypes.pop()).removeprefix("torch.")
+    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
+    if any(config.get(k) != name for k in keys):
+        config.update(dict.fromkeys(keys, name))
+        file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

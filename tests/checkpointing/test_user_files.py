@@ -159,3 +159,21 @@ def test_pruning_never_follows_a_planted_symbolic_link(tmp_path: Path) -> None:
     # A checkpoint path that is itself a link (to a folder of ours) is kept, and so is what it leads to.
     (tmp_path / "linked").symlink_to(ckpt.parent)
     assert remove_owned(tmp_path / "linked") == [str(tmp_path / "linked")] and (tmp_path / "linked").is_symlink()
+
+
+def _loaded_dtype(directory: str) -> str:
+    from transformers import AutoModelForCausalLM
+
+    return str(next(AutoModelForCausalLM.from_pretrained(directory, dtype="auto").parameters()).dtype)
+
+
+def test_an_export_in_another_dtype_says_so_in_its_config(tmp_path: Path) -> None:
+    # bf16 weights under a config saying float32 (the fp32 masters'): from_pretrained(dtype="auto") loaded float32.
+    out = run_ranks(train, 1, steps=1, hf_export={"dirpath": str(tmp_path / "bf16"), "dtype": "bfloat16"})[0]
+    assert out["error"] is None, out.get("traceback")
+    out = run_ranks(train, 1, steps=1, hf_export={"dirpath": str(tmp_path / "fp32")})[0]
+    assert out["error"] is None, out.get("traceback")
+    for name, dtype in (("bf16", "bfloat16"), ("fp32", "float32")):
+        folder = tmp_path / name / "final"
+        assert json.loads((folder / "config.json").read_text())["dtype"] == dtype
+        assert run_ranks(_loaded_dtype, 1, str(folder))[0] == f"torch.{dtype}"
