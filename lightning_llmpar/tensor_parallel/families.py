@@ -204,15 +204,15 @@ def _check_nanogpt_reshapes(attn: nn.Module, tp: int) -> None:
     width = attn.n_embd
 
     def runs(ranks: int) -> bool:
-        memo: dict[int, object] = {id(t): torch.empty_like(t, device="meta") for t in attn.buffers()}
-        memo.update({id(p): nn.Parameter(torch.empty_like(p, device="meta")) for p in attn.parameters()})
-        probe = copy.deepcopy(attn, memo)
-        probe.n_head, probe.n_embd = attn.n_head // ranks, width // ranks
-        probe.c_attn = nn.Linear(width, 3 * width // ranks, bias=c_attn.bias is not None, device="meta")
-        probe.c_proj = nn.Linear(width // ranks, width, bias=c_proj.bias is not None, device="meta")
         try:
+            memo: dict[int, object] = {id(t): torch.empty_like(t, device="meta") for t in attn.buffers()}
+            memo.update({id(p): nn.Parameter(torch.empty_like(p, device="meta")) for p in attn.parameters()})
+            probe = copy.deepcopy(attn, memo)
+            probe.n_head, probe.n_embd = attn.n_head // ranks, width // ranks
+            probe.c_attn = nn.Linear(width, 3 * width // ranks, bias=c_attn.bias is not None, device="meta")
+            probe.c_proj = nn.Linear(width // ranks, width, bias=c_proj.bias is not None, device="meta")
             probe(torch.empty(1, 2, width, device="meta"))
-        except Exception:  # noqa: BLE001 - a forward this probe cannot call proves nothing either way
+        except Exception:  # noqa: BLE001 - a module this probe cannot copy or call proves nothing either way
             return False
         return True
 
