@@ -55,6 +55,25 @@ def test_evaluation_data_the_data_parallel_ranks_do_not_divide_is_named() -> Non
         strategy.process_dataloader(train)  # training's shuffled order: one repeat in an epoch, as Lightning does
 
 
+def _predict(samples: int) -> str:
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(zero_stage=3), logger=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    data = DataLoader(torch.randint(0, 64, (samples, 16), generator=torch.Generator().manual_seed(0)), batch_size=2)
+    try:
+        return f"{sum(len(p) for p in trainer.predict(make_gpt(), data))} predictions"
+    except ValueError as err:
+        return str(err)
+
+
+def test_a_predict_set_that_gives_the_ranks_different_batch_counts_under_zero_is_refused() -> None:
+    # Lightning's predict sampler does not pad: 13 samples in batches of 2 gave the ranks 4 and 3 batches, and the
+    # rank with one more waited in its forward's parameter all-gather for a peer that had finished (a gloo abort).
+    for out in run_ranks(_predict, 2, 13):
+        assert out.startswith("trainer.predict on 13 samples in batches of 2 gives the 2 data-parallel ranks [4, 3]"), out
+        assert "zero_stage=3" in out and "multiple of 4 samples" in out
+    assert run_ranks(_predict, 2, 14) == ["7 predictions", "7 predictions"]
+
+
 def _overfit_warnings() -> list[str]:
     trainer = Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(zero_stage=3), max_steps=1,
                       overfit_batches=1, use_distributed_sampler=False, logger=False, enable_checkpointing=False,

@@ -196,7 +196,8 @@ class MeshStrategy(ParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         ranks = self._dp_mesh.size() if self._dp_mesh is not None else 1
-        check_loader(dataloader, getattr(self.lightning_module, "_trainer", None), ranks)  # runs unlike one process's
+        # Runs unlike one process's, or not at all.
+        check_loader(dataloader, getattr(self.lightning_module, "_trainer", None), ranks, self.layout.zero_stage)
         return dataloader
 
     @override
