@@ -202,6 +202,12 @@ FULL: list[tuple[str, str]] = [
     ("tests/fault_tolerance/test_torchft.py::test_groups_started_apart_wait_for_each_other",
      "a second group started after the first reached its first step (the fast heal test's restarted group passes"
      " the same wait, finding the other heartbeating)"),
+    ("tests/test_harness.py::test_a_script_starting_ranks_without_a_main_guard_is_told_so",
+     "a script run in a subprocess (the launcher's other message is fast)"),
+    ("tests/checkpointing/test_user_files.py::test_an_export_in_another_dtype_says_so_in_its_config",
+     "two trainings and two loads for an export's dtype"),
+    ("tests/context_parallel/test_context_parallel.py::test_context_parallel_is_exact[[]4-qwen2-cp2_dp2_zero3[]]",
+     "cp2 x dp2 on four ranks (cp2 on two ranks is fast)"),
 ]
 
 

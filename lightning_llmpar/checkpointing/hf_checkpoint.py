@@ -389,13 +389,11 @@ class HFCheckpointExport(Callback):
 
 
 def _config_dtype_of_weights(folder: Path, dtypes: set[torch.dtype]) -> None:
-    """``config.json``'s dtype as the weights written (``dtypes``): transformers takes it from the model (fp32
+    """``config.json``'s dtype as the weights written (``dtypes``): transformers takes it from the model's (fp32
     masters here), so a bf16 export said float32 and ``from_pretrained(dtype="auto")`` loaded it in float32."""
-    file = folder / "config.json"
-    if len(dtypes) != 1 or not file.is_file():
+    if len(dtypes) != 1 or not (file := folder / "config.json").is_file():
         return
-    config = json.loads(file.read_text())
-    name = str(dtypes.pop()).removeprefix("torch.")
+    config, name = json.loads(file.read_text()), str(next(iter(dtypes))).removeprefix("torch.")
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
     if any(config.get(k) != name for k in keys):
         config.update(dict.fromkeys(keys, name))

@@ -197,7 +197,8 @@ class MeshStrategy(ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         ranks = self._dp_mesh.size() if self._dp_mesh is not None else 1
         # Runs unlike one process's, or not at all.
-        check_loader(dataloader, getattr(self.lightning_module, "_trainer", None), ranks, self.layout.zero_stage)
+        zero = self._layout.zero_stage if self._layout is not None else 0  # (no layout before the launch)
+        check_loader(dataloader, getattr(self.lightning_module, "_trainer", None), ranks, zero)
         return dataloader
 
     @override
