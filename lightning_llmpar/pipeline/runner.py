@@ -29,7 +29,7 @@ from lightning_llmpar.pipeline.logs import eval_tokens, merge_outputs, summarize
 from lightning_llmpar.pipeline.split import BATCH_KWARG, StageModule, stage_program
 from lightning_llmpar.pipeline.stages import StageLayout, bubble_fraction, build_schedule
 from lightning_llmpar.training.batches import batch_size
-from lightning_llmpar.training.logged_loss import LoggedCall, captured_logs
+from lightning_llmpar.training.logged_loss import LoggedCall, captured_logs, token_sum
 from lightning_llmpar.training.loss_normalization import TokenNormalizer
 from lightning_llmpar.training.quiet import frozen_metrics, synced_only
 
@@ -321,8 +321,7 @@ class PipelineRunner:
             counts = torch.tensor(self._tokens_of[-len(losses) :] if losses and self.tokens else [1.0], dtype=torch.float64)
             tokens, value = counts.sum(), stacked.mean()
             if losses and self.tokens is not None and float(tokens) > 0:  # the mean over the step's valid targets
-                # A microbatch without a valid target has a NaN mean loss (0/0) that counts for nothing.
-                value = torch.where(counts > 0, stacked * counts, 0.0).sum() / tokens
+                value = token_sum(stacked, counts) / tokens
             has_extras = float(bool(outs) and isinstance(outs[0], dict) and len(outs[0]) > 1)
             packed = torch.tensor([float(value), has_extras, float(tokens), wide], dtype=torch.float64).to(self.device)
             dist.broadcast(packed, group=self.pp_group, group_src=self.last_rank)  # one broadcast

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["LoggedCall", "captured_logs", "global_loss", "is_the_loss", "replay_logs", "shadowed", "step_loss",
+__all__ = ["token_sum", "LoggedCall", "captured_logs", "global_loss", "is_the_loss", "replay_logs", "shadowed", "step_loss",
            "step_returns", "true_loss"]
 
 
@@ -101,14 +101,18 @@ def is_the_loss(value: Any, loss: Tensor) -> bool:
     return isinstance(value, Number) and not isinstance(value, bool) and float(value) == float(loss)
 
 
+def token_sum(means: Tensor, counts: Tensor) -> Tensor:
+    """Sum of per-part means weighed by their valid targets; a part without any (its labels all ignored) counts for
+    nothing, where its NaN mean (0/0) times zero would make the sum NaN."""
+    return torch.where(counts > 0, means * counts, 0.0).sum()
+
+
 def global_loss(loss: Tensor, weight: float, tokens: float, group: dist.ProcessGroup | None) -> Tensor:
     """The loss of the global batch from this rank's: ``weight`` x ``loss`` weighed by ``tokens`` (1 under mean
     normalization), summed and divided by the tokens over ``group``. Ranks holding the same data (tensor and
     pipeline peers) add equal terms to the sum and to the count, so the whole world can be the group."""
     local = loss.detach().double()
-    # A rank without a valid target (its labels all ignored) has a NaN mean loss (0/0) that counts for nothing.
-    term = local * weight * tokens if tokens > 0 else torch.zeros_like(local)
-    pair = torch.stack([term, torch.full_like(local, float(tokens))])
+    pair = torch.stack([token_sum(local * weight, local.new_tensor(float(tokens))), torch.full_like(local, float(tokens))])
     dist.all_reduce(pair, group=group)
     # No valid target anywhere (every label ignored): the step's own value, not 0/0.
     return torch.where(pair[1] > 0, pair[0] / pair[1].clamp_min(1e-30), local).to(loss.dtype)
