@@ -37,7 +37,8 @@ CASES = [
     # A rank's or a microbatch's samples with every label ignored: their NaN mean (0/0) was weighed by zero tokens
     # into a NaN logged loss; the pipeline's check, on such a first sample, blamed the model's split.
     ("qwen3", {"zero_stage": 3, **TOKENS}, 4, {"tag": "dp2_ignored", "padded": "ignored"}),
-    ("qwen3", {"pipeline_parallel": 2, **TOKENS}, 8, {"tag": "pp2_ignored", "padded": "ignored"}),
+    # Validated too: a validation microbatch without a valid label made the logged val_loss NaN.
+    ("llama", {"pipeline_parallel": 2, **TOKENS}, 8, {"tag": "pp2_ignored", "padded": "ignored", "validate": True}),
 ]
 
 

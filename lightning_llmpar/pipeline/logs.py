@@ -4,9 +4,9 @@ Only the last stage runs the step to the end, once per microbatch. Each name's v
 ``Metric`` stays itself (it accumulated every microbatch), the step's own loss stays "the loss" (the runner logs the
 step's loss, which the strategy then logs as the global batch's), and any other value is the mean over the
 microbatches: weighed by each microbatch's valid targets under ``loss_normalization='tokens'`` (so a per-token mean,
-such as a validation loss over padded or packed rows, is the batch's, as one process logs it), else equally. A
-value logged with ``reduce_fx="sum"``, ``"max"`` or ``"min"`` (a count, a largest loss) is combined so instead: the
-batch's sum is the microbatches' sum, its max their max.
+such as a validation loss over padded or packed rows, is the batch's, as one process logs it; a microbatch without
+any counts for nothing), else equally. A value logged with ``reduce_fx="sum"``, ``"max"`` or ``"min"`` (a count, a
+largest loss) is combined so instead: the batch's sum is the microbatches' sum, its max their max.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_llmpar.training.logged_loss import LoggedCall, is_the_loss
+from lightning_llmpar.training.logged_loss import LoggedCall, is_the_loss, token_sum
 
 __all__ = ["eval_tokens", "merge_outputs", "summarize_logs"]
 
@@ -75,7 +75,9 @@ def _combine(nums: list[float], weights: list[Any], reduce_fx: str) -> float:
     w = [float(x) for x in weights[-len(nums) :] if x is not None]
     if len(w) != len(nums) or sum(w) <= 0:  # no count for some microbatch (or none anywhere): equal weights
         w = [1.0] * len(nums)
-    return sum(n * x for n, x in zip(nums, w)) / sum(w)
+    # A microbatch whose labels are all ignored (its mean NaN, 0/0) counts for nothing, as in one process's mean.
+    total = token_sum(torch.tensor(nums, dtype=torch.float64), torch.tensor(w, dtype=torch.float64))
+    return float(total) / sum(w)
 
 
 def merge_outputs(outs: list[Any]) -> Any:
