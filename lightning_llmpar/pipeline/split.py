@@ -73,10 +73,15 @@ class _StandIn(nn.Module):
         entered = getattr(self._blocks[0], "_llmpar_entered", False)
         if not self.before_stack or entered:
             where = ("first", "before") if self.before_stack else ("last", "after")
+            # Entered blocks and a module from before the stack: the forward uses it after the blocks, or the step
+            # calls the model again (an evaluation step's second forward; a training step's is caught when planned).
+            again = (" Or the step calls the model a second time (two inputs, two forwards): a pipeline runs one"
+                     " forward per microbatch, so concatenate the inputs into one batch, call the model once and"
+                     " split its output.") if entered and self.before_stack else ""
             raise ValueError(
                 f"Pipeline split: module '{self.name}' was placed on the {where[0]} stage as running {where[1]} the"
                 f" block stack, but the model calls it {'after' if entered else 'before'} its blocks (here, on a"
-                " stage that does not hold it). See docs/model-convention.md for what the split needs."
+                f" stage that does not hold it). See docs/model-convention.md for what the split needs.{again}"
             )
         device = next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
         to_meta = lambda t: t.to("meta") if isinstance(t, Tensor) else t  # noqa: E731

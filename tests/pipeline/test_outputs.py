@@ -66,3 +66,27 @@ def test_predictions_keep_the_structure_one_process_returns() -> None:
         _same(got, want, f"rank {rank}")
         if rank == 1:  # the last stage, which holds the microbatch outputs
             assert any("averaged, which is right for a mean and not for a sum" in m for m in caught), caught
+
+
+class _PredictingTwice(_Predicting):
+    def predict_step(self, batch: list[torch.Tensor], batch_idx: int) -> Any:
+        return self.model(batch[0]).argmax(-1) + self.model(batch[0].flip(-1)).argmax(-1)  # two forwards
+
+
+def _predict_twice(strategy: dict[str, Any]) -> str:
+    torch.set_num_threads(1)
+    trainer = Trainer(accelerator="cpu", devices=2, logger=False, strategy=LLMParallelStrategy(**strategy),
+                      enable_progress_bar=False, enable_model_summary=False)
+    data = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
+    try:
+        trainer.predict(_PredictingTwice(), DataLoader(TensorDataset(data), batch_size=4))
+    except Exception as error:  # the last stage raises; the first waits for it until the groups' timeout
+        return f"{type(error).__name__}: {error}"
+    return "(predicted without an error)"
+
+
+def test_a_predict_step_that_calls_the_model_twice_is_told_so() -> None:
+    # The message blamed the embedding for being "called after its blocks", not naming the step's second forward.
+    message = run_ranks(_predict_twice, 2, {"pipeline_parallel": 2, "pipeline_schedule": "1F1B", "timeout": 10})[1]
+    assert message.startswith("ValueError") and "calls the model a second time" in message, message
+    assert "concatenate the inputs into one batch" in message, message
