@@ -29,6 +29,18 @@ class _Summary(ModelSummary):
         _Summary.printed.update(total=total_parameters, trainable=trainable_parameters, size=model_size)
 
 
+class _WithExample(HFCausalLM):
+    """A module with Lightning's ``example_input_array``, which the summary runs through it (under a pipeline a rank
+    cannot: the fit failed at its start)."""
+
+    def __init__(self) -> None:
+        super().__init__("llama_tied")
+        self.example_input_array = torch.zeros(2, 8, dtype=torch.long)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits
+
+
 def _fit(strategy: dict[str, Any] | None) -> dict[str, Any]:
     torch.set_num_threads(1)
     seed_everything(0, verbose=False)
@@ -36,7 +48,7 @@ def _fit(strategy: dict[str, Any] | None) -> dict[str, Any]:
     trainer = Trainer(accelerator="cpu", devices=1 if strategy is None else 2, max_steps=1, logger=False,
                       strategy="auto" if strategy is None else LLMParallelStrategy(**strategy),
                       enable_progress_bar=False, enable_checkpointing=False, callbacks=[_Summary(), throughput])
-    module = HFCausalLM("llama_tied")
+    module = _WithExample()
     module.model.model.layers[0].requires_grad_(False)  # a frozen block: trainable != total
     trainer.fit(module, datamodule=DictTokenData(4))
     return {**_Summary.printed, "flops_per_token": throughput.flops_per_token}

@@ -58,6 +58,12 @@ def summarize_whole_model(trainer: Any) -> None:
             own = callback._summary
 
             def whole(trainer: Any, module: nn.Module, own: Callable[..., Any] = own) -> _WholeModel:
-                return _WholeModel(own(trainer, module), module, trainer.strategy)
+                # Lightning runs example_input_array through the module for the rows' sizes and the FLOPs; a rank's
+                # stages cannot run it outside the pipeline (a user's example input failed the fit).
+                example, module._example_input_array = module._example_input_array, None
+                try:
+                    return _WholeModel(own(trainer, module), module, trainer.strategy)
+                finally:
+                    module._example_input_array = example
 
             callback._summary = whole  # type: ignore[method-assign]

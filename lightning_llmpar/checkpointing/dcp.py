@@ -45,20 +45,11 @@ from lightning_llmpar.checkpointing.safe_read import (
 from lightning_llmpar.checkpointing.scan import META_FILE, checkpoint_problem, legacy_note
 from lightning_llmpar.checkpointing.shared import check_shared_folder
 from lightning_llmpar.modeling.packing import Packing, canonical_view, unwrap
+from lightning_llmpar.pipeline.stage_state import own_state_reads
 
 __all__ = [
-    "META_FILE",
-    "commit_staging",
-    "export_consolidated",
-    "is_checkpoint",
-    "load_checkpoint",
-    "prepare_staging",
-    "recover",
-    "replace_problem",
-    "save_checkpoint",
-    "staging_path",
-    "write_atomically",
-    "write_distributed",
+    "META_FILE", "commit_staging", "export_consolidated", "is_checkpoint", "load_checkpoint", "prepare_staging",
+    "recover", "replace_problem", "save_checkpoint", "staging_path", "write_atomically", "write_distributed",
 ]
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -71,10 +62,11 @@ def is_checkpoint(path: str | Path) -> bool:
 def _tensor_state(
     model: nn.Module, optimizers: Sequence[Optimizer], aliases: Mapping[str, str], packings: Mapping[str, Packing]
 ) -> dict[str, Any]:
-    state: dict[str, Any] = {"model": _canonical(get_model_state_dict(model), packings, "")}
-    for i, opt in enumerate(optimizers):
-        optim = get_optimizer_state_dict(model, opt, options=_OPTIM_OPTIONS)
-        state[f"optimizer_{i}"] = _rename_params(_canonical(optim, packings, "state."), aliases)
+    with own_state_reads():  # a rank's part of a pipeline-split model, as meant
+        state: dict[str, Any] = {"model": _canonical(get_model_state_dict(model), packings, "")}
+        for i, opt in enumerate(optimizers):
+            optim = get_optimizer_state_dict(model, opt, options=_OPTIM_OPTIONS)
+            state[f"optimizer_{i}"] = _rename_params(_canonical(optim, packings, "state."), aliases)
     return state
 
 
@@ -341,11 +333,12 @@ def load_checkpoint(
     state = _tensor_state(model, optimizers, aliases, packings or {})
     dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path),
              planner=SafeLoadPlanner(allow_partial_load=not strict))
-    set_model_state_dict(model, _unwrap(state["model"]), options=StateDictOptions(strict=strict))
-    local = {name for name, _ in model.named_parameters()}
-    for i, opt in enumerate(optimizers):
-        optim = _restore_copies(_unwrap(state[f"optimizer_{i}"]), aliases, local)
-        set_optimizer_state_dict(model, opt, optim, options=_OPTIM_OPTIONS)
+    with own_state_reads():
+        set_model_state_dict(model, _unwrap(state["model"]), options=StateDictOptions(strict=strict))
+        local = {name for name, _ in model.named_parameters()}
+        for i, opt in enumerate(optimizers):
+            optim = _restore_copies(_unwrap(state[f"optimizer_{i}"]), aliases, local)
+            set_optimizer_state_dict(model, opt, optim, options=_OPTIM_OPTIONS)
     return meta
 
 

@@ -16,6 +16,7 @@ from lightning_llmpar.modeling.ties import TiedCopies, find_tied_weights
 from lightning_llmpar.pipeline.check import check_split, checkable, run_whole
 from lightning_llmpar.pipeline.runner import PipelineRunner
 from lightning_llmpar.pipeline.split import outside_owners, split_model, stage_costs, stage_finder
+from lightning_llmpar.pipeline.stage_state import warn_on_partial_state_dicts
 from lightning_llmpar.pipeline.stages import SCHEDULES, V_SCHEDULES, StageLayout, plan_stages
 from lightning_llmpar.tensor_parallel.rng import separate_stage_streams
 
@@ -134,7 +135,9 @@ def build_pipeline(
     stage_of = stage_finder(module, stack, layout)
     # Named on the whole model, alike on every rank (the split leaves each rank a different part of it).
     replicas = [n for n, _ in module.named_parameters() if any(n.startswith(b + ".") for b in before)]
+    whole = list(module.state_dict())
     parts, swaps = split_model(module, stack, layout, pp_mesh.get_local_rank(), tied, param_dtype, bool(before))
+    warn_on_partial_state_dicts(module, whole)
     ties = TiedCopies.build(module, tied, stage_of, layout.rank_of, mesh, replicas)
     return PipelineRunner(
         module, stack.blocks, layout, parts, swaps, pp_mesh, device, config.schedule, config.microbatches, ties, tokens

@@ -70,6 +70,14 @@ class _StandIn(nn.Module):
         self._blocks = [blocks]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self._blocks[0], "_llmpar_window", None) is None:  # not a stage's step: the model called directly
+            raise RuntimeError(
+                f"'{self.name}' is held by another pipeline rank: after the pipeline split this rank's model holds"
+                " only its stages, so calling it outside a step (after fit, in a hook) cannot compute its output"
+                " (before a first step, a later stage would have run on zeros). Let the pipeline run it:"
+                " trainer.predict / trainer.validate with predict_step / validation_step; or, for the whole model in"
+                " one process, trainer.save_checkpoint(path) then lightning_llmpar.export_consolidated(path, output)."
+            )
         entered = getattr(self._blocks[0], "_llmpar_entered", False)
         if not self.before_stack or entered:
             where = ("first", "before") if self.before_stack else ("last", "after")

@@ -26,6 +26,7 @@ from lightning_llmpar.data_parallel.backend import ShardingBackend
 from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint, recover_folder
 from lightning_llmpar.fault_tolerance.diloco import OUTER_STATE
 from lightning_llmpar.fault_tolerance.preemption import PreemptionHooks
+from lightning_llmpar.pipeline.stage_state import own_state_reads
 from lightning_llmpar.strategies.mesh import MeshStrategy
 
 __all__ = ["CheckpointingStrategy"]
@@ -48,7 +49,8 @@ class CheckpointingStrategy(PreemptionHooks, AsyncSaveHooks, MeshStrategy):
         """This rank's state dict, sharded (DTensors; only its pipeline stage's entries), as hooks such as
         ``on_save_checkpoint`` see it. Nothing is gathered; ``save_checkpoint`` writes the shards itself."""
         assert self.model is not None
-        return get_model_state_dict(self.model)
+        with own_state_reads():
+            return get_model_state_dict(self.model)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
