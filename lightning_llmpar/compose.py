@@ -42,7 +42,12 @@ from lightning_llmpar.pipeline.setup import build_pipeline
 from lightning_llmpar.strategies.options import StrategyOptions
 from lightning_llmpar.tensor_parallel import Packing
 from lightning_llmpar.training.documents import apply_document_masking, refuse_packed_padding
-from lightning_llmpar.training.loss_normalization import PaddedMeanWarning, TokenNormalizer
+from lightning_llmpar.training.loss_normalization import (
+    PaddedMeanWarning,
+    TokenNormalizer,
+    count_target_tokens,
+    label_counter,
+)
 from lightning_llmpar.training.same_batch import SameBatchCheck
 from lightning_llmpar.training.sync_groups import apply_metric_groups
 
@@ -169,7 +174,9 @@ def compose(module: nn.Module, ctx: SetupContext) -> Composed:
                     checkpointing=_checkpoint_plan(ctx))
     if options.count_tokens is not None:
         # Context-parallel ranks count the same whole batch (each weighs its own part, see context_parallel).
-        done.tokens = TokenNormalizer(options.count_tokens, layout.tp * layout.cp, layout.dp, ctx.device)
+        # The default counter counts labels as the model's loss does (shifted for a causal LM, all for T5 or BERT).
+        count = label_counter(module) if options.count_tokens is count_target_tokens else options.count_tokens
+        done.tokens = TokenNormalizer(count, layout.tp * layout.cp, layout.dp, ctx.device)
     else:
         microbatches = options.pipeline.microbatches if layout.pp > 1 else 1
         parts = [f"{n} {what}" for n, what in ((layout.dp, "data-parallel ranks"), (microbatches, "microbatches")) if n > 1]

@@ -339,9 +339,34 @@ class GPTMoE(ShiftedLM):
         return self.aux * self.model.aux_loss() if self.aux else 0.0
 
 
+class NotCausal(LightningModule):
+    """transformers models whose labels are every target, not the inputs shifted by the loss: an encoder-decoder
+    (T5, whose decoder reads the labels shifted right) and a masked LM (BERT), on the causal LMs' dict batches."""
+
+    def __init__(self, name: str = "", lr: float = 0.5, **_: Any) -> None:
+        super().__init__()
+        import transformers
+
+        self.lr = lr
+        if name == "t5":
+            self.model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+                vocab_size=VOCAB, d_model=WIDTH, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+                decoder_start_token_id=0, pad_token_id=0))
+        else:
+            self.model = transformers.BertForMaskedLM(transformers.BertConfig(
+                vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
 CUSTOM = {"containers": Containers, "zipped": Zipped, "indexed": Indexed, "reuses_embedding": ReusesEmbedding, "unchained": Unchained,
           "passes_state": PassesState, "looped": Looped, "called_twice": CalledTwice, "sequential": SequentialStack, "reads_embedding": ReadsEmbedding,
           "nanogpt": NanoGPT, "nanogpt_own_width": NanoGPT,
           "reads_gated_embedding": ReadsGatedEmbedding,
           "gpt_moe": GPTMoE, "titan_tied": TitanLM, "titan_untied": TitanLM,
-          "titan_named": TitanLM, "titan_from1": TitanLM}
+          "titan_named": TitanLM, "titan_from1": TitanLM, "t5": NotCausal, "bert_mlm": NotCausal}

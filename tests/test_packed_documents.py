@@ -278,6 +278,10 @@ def test_tokens_normalization_counts_the_bundled_packed_rows() -> None:
     assert ignored > 0 and count_target_tokens(batch) == batch["targets"].numel() - ignored
     labels = torch.tensor([[5, 6, -100, 7]])
     assert count_target_tokens({"labels": labels}) == 2 and count_target_tokens((labels, labels)) == 3
+    # Unshifted where the model's loss takes every label (T5, BERT), and a sample's class label never shifts: a
+    # one-sample microbatch of a classifier counted 0.
+    assert count_target_tokens({"labels": labels}, shifted=False) == 3
+    assert count_target_tokens({"labels": torch.tensor([4])}) == 1
 
 
 @pytest.mark.parametrize("packed", [False, True])

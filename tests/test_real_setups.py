@@ -245,6 +245,17 @@ def test_padded_batches_token_exact_under_every_layout() -> None:
     assert len(said[10]) == 1 and not any(said[:10] + said[11:]), said
 
 
+def test_labels_that_are_every_target_are_counted_whole_under_tokens() -> None:
+    # T5's labels are its decoder's targets and BERT's masked-LM labels are every position's: "tokens" counted them
+    # as a causal LM's, shifted by one (a sample fewer per row), and trained to other weights (1e-3 at dp2 ZeRO-3).
+    opts = {"padded": True, "steps": 3}
+    models = ["t5", "bert_mlm"]
+    refs = _cases(1, [(m, None, opts) for m in models])
+    outs = _cases(2, [(m, {"loss_normalization": "tokens", "zero_stage": 3}, opts) for m in models])
+    for (ref,), two in zip(refs, outs):
+        _same_training(ref, two)
+
+
 # ----------------------------------------------------------------------------------------- dropout
 
 

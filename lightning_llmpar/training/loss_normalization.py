@@ -10,23 +10,26 @@ microbatches, accumulation steps and data-parallel ranks (one all-reduce) before
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["PaddedMeanWarning", "TokenNormalizer", "count_target_tokens"]
+__all__ = ["PaddedMeanWarning", "TokenNormalizer", "count_target_tokens", "label_counter", "model_shifts_labels"]
 
 IGNORE_INDEX = -100
 
 
-def _targets(batch: Any) -> Tensor | None:
-    """A dict's ``labels`` shifted by one as transformers' causal-LM loss does, a dict's ``targets`` (already
-    shifted: the bundled packed rows), or the targets (second element) of an ``(inputs, targets)`` pair."""
+def _targets(batch: Any, shifted: bool = True) -> Tensor | None:
+    """A dict's ``labels`` (shifted by one as transformers' causal-LM loss does, where ``shifted``; a sample's
+    class labels, 1-D, never are), a dict's ``targets`` (already shifted: the bundled packed rows), or the targets
+    (second element) of an ``(inputs, targets)`` pair."""
     if isinstance(batch, dict) and isinstance(batch.get("labels"), Tensor):
-        return batch["labels"][..., 1:]
+        labels = batch["labels"]
+        return labels[..., 1:] if shifted and labels.dim() > 1 else labels
     if isinstance(batch, dict) and isinstance(batch.get("targets"), Tensor):
         return batch["targets"]
     if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[1], Tensor):
@@ -34,9 +37,9 @@ def _targets(batch: Any) -> Tensor | None:
     return None
 
 
-def count_target_tokens(batch: Any) -> int:
+def count_target_tokens(batch: Any, shifted: bool = True) -> int:
     """Valid targets of a batch (see ``_targets``); ``-100`` marks ignored positions."""
-    targets = _targets(batch)
+    targets = _targets(batch, shifted)
     if targets is not None:
         return int((targets != IGNORE_INDEX).sum())
     raise ValueError(
@@ -44,6 +47,27 @@ def count_target_tokens(batch: Any) -> int:
         f" tuple; this"
         f" {type(batch).__name__} batch has neither. Pass loss_normalization=<callable(batch) -> number of tokens>."
     )
+
+
+def model_shifts_labels(module: nn.Module) -> bool:
+    """Whether a dict's ``labels`` are the inputs themselves, which the model shifts by one for its loss: true of
+    transformers' causal LMs (and of a model of one's own, by this convention); not of encoder-decoders (T5, BART:
+    the labels are the decoder's targets), masked LMs or classifiers, whose every label is a target."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return True
+    model = next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
+    if model is None:
+        return True
+    if getattr(model.config, "is_encoder_decoder", False):
+        return False
+    return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
+
+
+def label_counter(module: nn.Module) -> Callable[[Any], int]:
+    """``count_target_tokens`` as ``module``'s loss counts its labels (see ``model_shifts_labels``)."""
+    return count_target_tokens if model_shifts_labels(module) else partial(count_target_tokens, shifted=False)
 
 
 class TokenNormalizer:
