@@ -28,7 +28,7 @@ from lightning_llmpar.modeling.ties import TiedCopies
 from lightning_llmpar.pipeline.logs import eval_tokens, merge_outputs, summarize_logs
 from lightning_llmpar.pipeline.split import BATCH_KWARG, StageModule, stage_program
 from lightning_llmpar.pipeline.stages import StageLayout, bubble_fraction, build_schedule
-from lightning_llmpar.training.batches import batch_size
+from lightning_llmpar.training.batches import batch_rows, batch_size, batch_tensors
 from lightning_llmpar.training.logged_loss import LoggedCall, captured_logs, token_sum
 from lightning_llmpar.training.loss_normalization import TokenNormalizer
 from lightning_llmpar.training.quiet import frozen_metrics, synced_only
@@ -66,6 +66,7 @@ class PipelineRunner:
         # Per microbatch on the last stage: the loss the user's step returned, its valid targets (token normalization).
         self._raw_losses: list[Tensor] = []
         self._tokens_of: list[int] = []
+        self._batch: Any = None  # the step's batch, which the stages take their microbatches' rows from
         self.step_loss: Tensor | None = None  # the step's loss and its valid targets, on every pp rank
         self.step_tokens = 1.0
         self._stash: dict[nn.Parameter, Tensor | None] = {}
@@ -174,7 +175,7 @@ class PipelineRunner:
         """The schedule for this step, built afresh whenever the one in use or the batch's shapes change: a torch
         schedule sets the shared stages up on first use (receive buffers of the microbatches' shapes, with gradients
         or not), so a kept one would run on another's buffers. torch's ``eval`` does the same."""
-        shapes = tuple(tuple(t.shape) for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, Tensor))
+        shapes = tuple(tuple(t.shape) for t in batch_tensors(batch))
         key = (microbatches, training, shapes)
         if self._schedule_in_use is None or self._schedule_in_use[0] != key:
             self._schedule_in_use = (key, self._build_schedule(microbatches, training))
@@ -226,8 +227,14 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ the stage program
 
-    def run_stage(self, stage: int, batch: Any, incoming: Tensor | None) -> Tensor:
+    def run_stage(self, stage: int, microbatch: Tensor, incoming: Tensor | None) -> Tensor:
         last = stage == self.layout.num_stages - 1
+        # The schedule splits a tensor of microbatch numbers; the rows come from the step's batch, in its structure
+        # (torch's own split copies per-sample lists and dataclasses whole into every microbatch).
+        # Shape inference may run on placeholders (meta, zeros): any microbatch gives the shapes.
+        n = min(max(int(microbatch[0]), 0), self._n_mb - 1) if microbatch.device.type != "meta" else 0
+        size = batch_size(self._batch)
+        batch = batch_rows(self._batch, n * size // self._n_mb, (n + 1) * size // self._n_mb, size)
         # Modules before the stack run as stand-ins on every stage but the first (they only give shapes; the
         # stage's input replaces their output). Those after it are stand-ins already on ranks without the last.
         stand_ins = {name: stand_in for name, (_, stand_in) in self._swaps.items()} if stage != 0 else {}
@@ -277,8 +284,9 @@ class PipelineRunner:
         training = method == "training_step"
         n_mb = self.microbatches_for(size, training)
         self._method, self._step_args, self._n_mb, self._accumulate = method, step_args, n_mb, accumulate
-        self._outputs, self._raw_losses, self._tokens_of = [], [], []
+        self._outputs, self._raw_losses, self._tokens_of, self._batch = [], [], [], batch
         schedule = self._schedule(n_mb, training, batch)
+        numbers = torch.arange(n_mb, device=self.device)  # what the schedule splits: one number per microbatch
         placeholder = torch.zeros(size, device=self.device)  # the loss lives in the stage output, not a target
         start = time.perf_counter()
         self.timeline = []
@@ -286,12 +294,12 @@ class PipelineRunner:
             if training:
                 self._stash_grads()
                 with self._context_parallel_step():
-                    schedule.step(target=placeholder, return_outputs=False, **{BATCH_KWARG: batch})
+                    schedule.step(target=placeholder, return_outputs=False, **{BATCH_KWARG: numbers})
                 if self.ties is not None:
                     self.ties.sum_grads()  # copies of a tied weight on several stages: one gradient
                 self._take_new_grads()
             else:
-                schedule.eval(target=placeholder, **{BATCH_KWARG: batch})
+                schedule.eval(target=placeholder, **{BATCH_KWARG: numbers})
         self.step_window = (start, time.perf_counter())
         result = self._result(method)
         self._replay_logs()

@@ -2,35 +2,69 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 
-__all__ = ["batch_size", "batch_tensors", "batch_tokens", "first_tensor", "train_batch_sizes"]
+__all__ = ["batch_rows", "batch_size", "batch_tensors", "batch_tokens", "first_tensor", "train_batch_sizes"]
 
 
 def first_tensor(batch: Any) -> Tensor | None:
     """The first tensor with a batch dimension: ``input_ids`` of a dict batch if there is one."""
-    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), Tensor):
+    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), Tensor):
         return batch["input_ids"]
-    for leaf in torch.utils._pytree.tree_leaves(batch):
-        if isinstance(leaf, Tensor) and leaf.dim() > 0:
-            return leaf
+    return next((t for t in batch_tensors(batch) if t.dim() > 0), None)
+
+
+def _fields(batch: Any) -> dict[str, Any] | None:
+    """A dataclass batch's init fields by name (None for anything else)."""
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.init}
     return None
 
 
 def batch_tensors(batch: Any) -> list[Tensor]:
-    """Every tensor in ``batch``, in order, through dicts and any mapping (a tokenizer's ``BatchEncoding``), lists
-    and tuples."""
+    """Every tensor in ``batch``, in order, through dicts and any mapping (a tokenizer's ``BatchEncoding``), lists,
+    tuples and dataclasses."""
     if isinstance(batch, Tensor):
         return [batch]
     if isinstance(batch, Mapping):
         return [t for value in batch.values() for t in batch_tensors(value)]
     if isinstance(batch, (list, tuple)):
         return [t for value in batch for t in batch_tensors(value)]
-    return []
+    fields = _fields(batch)
+    return batch_tensors(list(fields.values())) if fields is not None else []
+
+
+def batch_rows(batch: Any, start: int, stop: int, size: int) -> Any:
+    """Samples ``start:stop`` of a batch of ``size``, in its structure: tensors whose first dimension is the batch's
+    sliced, as are per-sample lists (strings, numbers: as many as the batch's samples and no tensor among them);
+    anything else (a constant, a tensor of another length) whole."""
+    if isinstance(batch, Tensor):
+        return batch[start:stop] if batch.dim() > 0 and batch.shape[0] == size else batch
+    if isinstance(batch, Mapping):
+        rows = {k: batch_rows(v, start, stop, size) for k, v in batch.items()}
+        return rows if type(batch) is dict else _rebuilt(batch, rows)
+    if isinstance(batch, (list, tuple)):
+        if len(batch) == size and not batch_tensors(batch):  # one entry per sample (texts, ids, weights)
+            items = list(batch[start:stop])
+        else:
+            items = [batch_rows(v, start, stop, size) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)  # a named tuple by fields
+    fields = _fields(batch)
+    if fields is not None:
+        return dataclasses.replace(batch, **{k: batch_rows(v, start, stop, size) for k, v in fields.items()})
+    return batch
+
+
+def _rebuilt(batch: Mapping, rows: dict[str, Any]) -> Any:
+    """A mapping of another type (a tokenizer's ``BatchEncoding``) rebuilt from ``rows``, or a dict if it cannot be."""
+    try:
+        return type(batch)(rows)
+    except Exception:  # noqa: BLE001 - a mapping type without a constructor from a dict
+        return rows
 
 
 def batch_size(batch: Any) -> int:
