@@ -105,13 +105,34 @@ class _StandIn(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            param = self._meta[0]._parameters.get(name) if self._meta else None
-            if param is None:
+            if not self._meta:
                 raise
-        # The model reads a weight of the module it replaces for its device, dtype or shape (Llama 4 moves the input
-        # ids to the embedding's device): a zero-stride tensor of that shape on this stage's device, no memory.
         device = next((p.device for p in self._blocks[0].parameters()), torch.device("cpu"))
-        return torch.zeros((), dtype=self.dtype or param.dtype, device=device).expand(param.shape)
+        return _reach(self._meta[0], name, device, self.dtype)
+
+
+class _Reach:
+    """A submodule of a module another stage holds, as the model reads it for a weight's dtype, device or shape
+    (ViT reads ``embeddings.patch_embeddings.projection.weight.dtype``)."""
+
+    def __init__(self, meta: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
+        self._meta, self._device, self._dtype = meta, device, dtype
+
+    def __getattr__(self, name: str) -> Any:
+        return _reach(self._meta, name, self._device, self._dtype)
+
+
+def _reach(meta: nn.Module, name: str, device: torch.device, dtype: torch.dtype | None) -> Any:
+    """Attribute ``name`` of the meta copy ``meta``: a weight as a zero-stride tensor of its shape on this stage's
+    device, no memory (Llama 4 moves the input ids to the embedding's device), a submodule as a ``_Reach``, a
+    setting (``padding_idx``) as it is. A buffer's values are not here (position ids read as zeros would be wrong):
+    none is given."""
+    value = getattr(meta, name)
+    if isinstance(value, nn.Parameter):
+        return torch.zeros((), dtype=dtype or value.dtype, device=device).expand(value.shape)
+    if isinstance(value, Tensor):
+        raise AttributeError(f"buffer '{name}' of a module another pipeline stage holds")
+    return _Reach(value, device, dtype) if isinstance(value, nn.Module) else value
 
 
 # Names of modules that run after the block stack even when registered before it (OPT's decoder

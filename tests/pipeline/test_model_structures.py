@@ -185,3 +185,23 @@ def test_sequential_stacks_are_found_and_chains_of_single_layers_are_not() -> No
 
     model.blocks = Reversed(*model.blocks)
     assert find_block_stack(model) is None
+
+
+def test_a_stand_in_gives_the_weights_of_submodules_for_their_dtype_and_shape() -> None:
+    # ViT's forward reads embeddings.patch_embeddings.projection.weight.dtype: the stand-in served only its own
+    # parameters, and the failed read was taken for the blocks reading the embeddings (interleaved pp2 refused).
+    import torch
+    from torch import nn
+
+    from lightning_llmpar.pipeline.split import _StandIn
+
+    embeddings = nn.Module()
+    embeddings.patch = nn.Module()
+    embeddings.patch.projection = nn.Conv2d(3, 8, 4)
+    embeddings.register_buffer("position_ids", torch.arange(5))
+    stand_in = _StandIn(embeddings, "embeddings", True, nn.ModuleList([nn.Linear(2, 2)]))
+    weight = stand_in.patch.projection.weight
+    assert weight.dtype == torch.float32 and weight.shape == (8, 3, 4, 4) and weight.stride() == (0, 0, 0, 0)
+    assert stand_in.patch.projection.out_channels == 8
+    with pytest.raises(AttributeError):  # a buffer's values are another stage's: zeros would be wrong positions
+        stand_in.position_ids  # noqa: B018
