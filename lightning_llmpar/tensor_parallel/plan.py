@@ -215,10 +215,15 @@ class _Planner(RegionPlanning, MoEPlanning, AttentionPlanning):
                 self.styles[full] = ReplicatedOnShards(1, self._widths[region])
                 continue
             if region is not None:
+                # The styles split Linear layers: an embedding (T5's relative attention bias, a column per head)
+                # takes none of them.
+                fix = ("An embedding takes no splitting style (they split Linear layers): run this model without"
+                       " tensor parallelism (ZeRO data parallelism takes it)." if lookup else
+                       "Give it a splitting style in tp_plan ('colwise'/'rowwise'), or run this model without tensor"
+                       " parallelism.")
                 raise ValueError(
                     f"Module '{full}' holds parameters inside the tensor-parallel region '{region}', where each rank"
-                    f" holds only some heads or features, so its gradient would miss the other ranks' part. Give it a"
-                    f" splitting style in tp_plan ('colwise'/'rowwise'), or run this model without tensor parallelism."
+                    f" holds only some heads or features, so its gradient would miss the other ranks' part. {fix}"
                 )
             if self.seq:
                 if (_is_norm(sub) or self.roles.get(full) == "norm") and full not in self.claimed:
