@@ -339,6 +339,17 @@ class GPTMoE(ShiftedLM):
         return self.aux * self.model.aux_loss() if self.aux else 0.0
 
 
+class OwnPositions(Zipped):
+    """Learned positions as a parameter of the model itself (timm's ViT), beside its blocks."""
+
+    def __init__(self, name: str = "", **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        self.pos = nn.Parameter(torch.randn(64, WIDTH) * 0.02)
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return super().body(x + self.pos[: x.shape[1]])
+
+
 class NotCausal(LightningModule):
     """transformers models whose labels are every target, not the inputs shifted by the loss: an encoder-decoder
     (T5, whose decoder reads the labels shifted right) and a masked LM (BERT), on the causal LMs' dict batches."""
@@ -369,4 +380,5 @@ CUSTOM = {"containers": Containers, "zipped": Zipped, "indexed": Indexed, "reuse
           "nanogpt": NanoGPT, "nanogpt_own_width": NanoGPT,
           "reads_gated_embedding": ReadsGatedEmbedding,
           "gpt_moe": GPTMoE, "titan_tied": TitanLM, "titan_untied": TitanLM,
-          "titan_named": TitanLM, "titan_from1": TitanLM, "t5": NotCausal, "bert_mlm": NotCausal}
+          "titan_named": TitanLM, "titan_from1": TitanLM, "t5": NotCausal, "bert_mlm": NotCausal,
+          "own_positions": OwnPositions}

@@ -108,6 +108,7 @@ def build_pipeline(
             f" '{containers[0]}') are containers without a forward that the model never calls. Name a stack of blocks"
             " its forward calls with block_stack='...', or train this model with tensor and data parallelism."
         )
+    _refuse_parameters_beside_the_stack(module, stack)
     router = next((m for m in module.modules() if getattr(getattr(m, "config", None), "output_router_logits", False)), None)
     if router is not None:  # transformers' MoE models (Mixtral, Qwen-MoE, ...)
         raise ValueError(
@@ -142,6 +143,24 @@ def build_pipeline(
     return PipelineRunner(
         module, stack.blocks, layout, parts, swaps, pp_mesh, device, config.schedule, config.microbatches, ties, tokens
     )
+
+
+def _refuse_parameters_beside_the_stack(module: LightningModule, stack: BlockStack) -> None:
+    """A module that holds the stack and parameters of its own (a learned position table or class token on the
+    model itself, timm's ViT): a stage cannot take them without the whole module. Said as it is, before the split
+    check would blame the blocks for reading them."""
+    before, after = outside_owners(module, stack)
+    for owner in before + after:
+        if owner == "" or stack.prefix.startswith(owner + "."):
+            own = [n for n, _ in module.get_submodule(owner).named_parameters(recurse=False)]
+            where = f"'{owner}'" if owner else f"The LightningModule {type(module).__name__}"
+            raise ValueError(
+                f"Pipeline split: {where} holds parameters of its own ({', '.join(own[:4])}) besides the blocks of"
+                f" '{stack.prefix}', so no stage can hold them apart from the whole module. Move them into a module"
+                " of their own that the forward calls before or after the blocks (an nn.Embedding for learned"
+                " positions, a small nn.Module holding a class token), or train without pipeline parallelism"
+                " (pipeline_parallel=1); tensor and data parallelism take it."
+            )
 
 
 def _run_everywhere(module: LightningModule, stack: BlockStack, config: PipelineConfig) -> list[str]:
