@@ -51,7 +51,9 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 
 def retie(model: nn.Module, tied: Sequence[TiedWeight]) -> None:
-    """Point every name of each tied weight at the parameter its first (reachable) name holds now.
+    """Point every name of each tied weight at the parameter its first (reachable) name holds now, or the first
+    sharded one (a parent's alias of a layer's parameter is not sharded with the layer: BERT's prediction head
+    keeps its decoder's bias).
 
     Sharding replaces a module's parameter by a new one; a weight used by two modules would otherwise
     become two independent parameters.
@@ -60,9 +62,10 @@ def retie(model: nn.Module, tied: Sequence[TiedWeight]) -> None:
         reachable = [n for n in weight.names if _resolves(model, n)]
         if len(reachable) < 2:
             continue
-        owner, attr = _owner(model, reachable[0])
+        source = next((n for n in reachable if isinstance(model.get_parameter(n), DTensor)), reachable[0])
+        owner, attr = _owner(model, source)
         param = getattr(owner, attr)
-        for name in reachable[1:]:
+        for name in reachable:
             module, attr = _owner(model, name)
             if getattr(module, attr) is not param:
                 module.register_parameter(attr, param)

@@ -50,9 +50,12 @@ def plan_outside(model: nn.Module, tp: int, styles: dict[str, Any], claimed: set
 def check_ties(model: nn.Module, styles: dict[str, Any]) -> None:
     """Refuse a plan that splits two tied parameters differently, which would untie them."""
     owners: dict[int, tuple[str, Any]] = {}
+    used = {id(p) for m in model.modules() if not any(m.children()) for p in m.parameters(recurse=False)}
     for name, module in model.named_modules():
         style = styles.get(name)
         for pname, param in module.named_parameters(recurse=False):
+            if style is None and any(module.children()) and id(param) in used:
+                continue  # an alias a parent keeps of a layer's parameter (BERT's head of its decoder's bias): retied
             placement = weight_placement(style, module) if pname == "weight" or style is None else None
             if id(param) in owners:
                 other, other_placement = owners[id(param)]
