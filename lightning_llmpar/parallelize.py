@@ -177,7 +177,9 @@ def _warn_if_blocks_stay_whole(model: nn.Module, styles: Mapping[str, Any], tp: 
     if stack is None or not stack.prefix:
         return
     inside = stack.prefix + "."
-    if any(key.split("#", 1)[0].startswith(inside) for key, style in styles.items() if style is not None):
+    split = [key.split("#", 1)[0] for key, style in styles.items() if style is not None]
+    _warn_if_other_stacks_stay_whole(model, stack.prefix, split, tp)
+    if any(key.startswith(inside) for key in split):
         return
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(inside)]
     if linears:
@@ -186,4 +188,21 @@ def _warn_if_blocks_stay_whole(model: nn.Module, styles: Mapping[str, Any], tp: 
             f" '{linears[0]}') fit no attention or MLP layout the plan knows, so every rank holds and computes the"
             " whole blocks (exact, without the saving). Give their styles with tp_plan={...}"
             " (docs/model-convention.md), or train this model without tensor parallelism."
+        )
+
+
+def _warn_if_other_stacks_stay_whole(model: nn.Module, prefix: str, split: list[str], tp: int) -> None:
+    """The plan splits one stack of blocks: another one outside it (an encoder-decoder's encoder, a vision tower)
+    stays whole on every rank, exact but without the saving. Said once, naming it."""
+    others = [n for n, m in model.named_modules()
+              if isinstance(m, nn.ModuleList) and len(m) > 1 and n and n != prefix
+              and not n.startswith(prefix + ".") and not prefix.startswith(n + ".")
+              and all(sum(isinstance(x, nn.Linear) for x in block.modules()) >= 2 for block in m)
+              and not any(key.startswith(n + ".") for key in split)]
+    others = [n for n in others if not any(n.startswith(o + ".") for o in others)]
+    if others:
+        rank_zero_warn(
+            f"tensor_parallel={tp} splits the blocks of '{prefix}'; those of {', '.join(repr(o) for o in others)}"
+            " stay whole on every rank (exact, without the saving): the plan splits one stack of blocks. Split"
+            " another one's linears with tp_plan={...} (docs/model-convention.md) if it is large."
         )

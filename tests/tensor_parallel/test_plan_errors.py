@@ -591,3 +591,21 @@ def test_blocks_the_plan_leaves_whole_are_named() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _warn_if_blocks_stay_whole(gpt, infer_tp_plan(gpt, 2).styles, 2)
+
+
+def test_a_second_stack_the_plan_leaves_whole_is_named() -> None:
+    # BART's plan splits its decoder's blocks (the stack found) and kept its encoder whole on every rank, unsaid.
+    transformers = pytest.importorskip("transformers")
+    from lightning_llmpar.parallelize import _warn_if_blocks_stay_whole
+
+    config = transformers.BartConfig(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, encoder_attention_heads=4, decoder_attention_heads=4,
+                                     max_position_embeddings=32)
+    model = transformers.BartForConditionalGeneration(config)
+    with pytest.warns(UserWarning, match=r"splits the blocks of 'model.decoder.layers'; those of 'model.encoder.layers'"
+                                         r" stay whole"):
+        _warn_if_blocks_stay_whole(model, infer_tp_plan(model, 2).styles, 2)
+    gpt = _gpt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_if_blocks_stay_whole(gpt, infer_tp_plan(gpt, 2).styles, 2)
