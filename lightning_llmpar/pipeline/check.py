@@ -27,6 +27,7 @@ from lightning_llmpar.modeling.structure import BlockStack
 from lightning_llmpar.modeling.ties import find_tied_weights, retie
 from lightning_llmpar.pipeline.split import _StandIn, outside_owners, seeded_noise, stage_program
 from lightning_llmpar.pipeline.window import narrow_blocks, output_form, widen_blocks
+from lightning_llmpar.training.loss_normalization import IGNORE_INDEX, batch_targets
 from lightning_llmpar.training.quiet import quiet_step
 
 __all__ = ["Reference", "check_split", "checkable", "first_sample", "run_whole"]
@@ -104,9 +105,9 @@ def first_sample(trainer: Any) -> Any:
 
 
 def _all_ignored(batch: Any) -> bool:
-    """Whether a batch's labels (a dict's ``labels``, or a pair's integer targets) are all -100, the ignore index."""
-    labels = batch.get("labels") if isinstance(batch, dict) else batch[-1] if isinstance(batch, list | tuple) else None
-    return isinstance(labels, Tensor) and not labels.is_floating_point() and bool((labels == -100).all())
+    """Whether a batch's integer targets (``batch_targets``, unshifted) are all -100, the ignore index."""
+    labels = batch_targets(batch, shifted=False)
+    return isinstance(labels, Tensor) and not labels.is_floating_point() and bool((labels == IGNORE_INDEX).all())
 
 
 def step_on_one_sample(trainer: Any, strategy: Any) -> Callable[[], Any] | None:

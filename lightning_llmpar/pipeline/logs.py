@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from lightning_llmpar.training.batches import same_sequence
 from lightning_llmpar.training.logged_loss import LoggedCall, is_the_loss, token_sum
 
 __all__ = ["eval_tokens", "merge_outputs", "summarize_logs"]
@@ -96,8 +97,7 @@ def merge_outputs(outs: list[Any]) -> Any:
     if all(isinstance(o, dict) for o in outs):
         return {k: merge_outputs([o[k] for o in outs]) for k in first}
     if isinstance(first, (tuple, list)) and all(type(o) is type(first) and len(o) == len(first) for o in outs):
-        items = [merge_outputs([o[i] for o in outs]) for i in range(len(first))]
-        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)  # a named tuple by fields
+        return same_sequence(first, [merge_outputs([o[i] for o in outs]) for i in range(len(first))])
     if all(isinstance(o, (int, float)) and not isinstance(o, bool) for o in outs):
         _warn_averaged()
         return sum(outs) / len(outs)

@@ -66,7 +66,8 @@ class PipelineRunner:
         # Per microbatch on the last stage: the loss the user's step returned, its valid targets (token normalization).
         self._raw_losses: list[Tensor] = []
         self._tokens_of: list[int] = []
-        self._batch: Any = None  # the step's batch, which the stages take their microbatches' rows from
+        self._batch: Any = None  # the step's batch (of _size samples), which the stages take microbatches' rows from
+        self._size = 0
         self.step_loss: Tensor | None = None  # the step's loss and its valid targets, on every pp rank
         self.step_tokens = 1.0
         self._stash: dict[nn.Parameter, Tensor | None] = {}
@@ -233,8 +234,8 @@ class PipelineRunner:
         # (torch's own split copies per-sample lists and dataclasses whole into every microbatch).
         # Shape inference may run on placeholders (meta, zeros): any microbatch gives the shapes.
         n = min(max(int(microbatch[0]), 0), self._n_mb - 1) if microbatch.device.type != "meta" else 0
-        size = batch_size(self._batch)
-        batch = batch_rows(self._batch, n * size // self._n_mb, (n + 1) * size // self._n_mb, size)
+        rows = self._size // self._n_mb
+        batch = batch_rows(self._batch, n * rows, (n + 1) * rows, self._size)
         # Modules before the stack run as stand-ins on every stage but the first (they only give shapes; the
         # stage's input replaces their output). Those after it are stand-ins already on ranks without the last.
         stand_ins = {name: stand_in for name, (_, stand_in) in self._swaps.items()} if stage != 0 else {}
@@ -284,7 +285,7 @@ class PipelineRunner:
         training = method == "training_step"
         n_mb = self.microbatches_for(size, training)
         self._method, self._step_args, self._n_mb, self._accumulate = method, step_args, n_mb, accumulate
-        self._outputs, self._raw_losses, self._tokens_of, self._batch = [], [], [], batch
+        self._outputs, self._raw_losses, self._tokens_of, self._batch, self._size = [], [], [], batch, size
         schedule = self._schedule(n_mb, training, batch)
         numbers = torch.arange(n_mb, device=self.device)  # what the schedule splits: one number per microbatch
         placeholder = torch.zeros(size, device=self.device)  # the loss lives in the stage output, not a target

@@ -8,7 +8,8 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["batch_rows", "batch_size", "batch_tensors", "batch_tokens", "first_tensor", "train_batch_sizes"]
+__all__ = ["batch_rows", "batch_size", "batch_tensors", "batch_tokens", "first_tensor", "same_sequence",
+           "train_batch_sizes"]
 
 
 def first_tensor(batch: Any) -> Tensor | None:
@@ -52,11 +53,16 @@ def batch_rows(batch: Any, start: int, stop: int, size: int) -> Any:
             items = list(batch[start:stop])
         else:
             items = [batch_rows(v, start, stop, size) for v in batch]
-        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)  # a named tuple by fields
+        return same_sequence(batch, items)
     fields = _fields(batch)
     if fields is not None:
         return dataclasses.replace(batch, **{k: batch_rows(v, start, stop, size) for k, v in fields.items()})
     return batch
+
+
+def same_sequence(like: list | tuple, items: list[Any]) -> Any:
+    """``items`` as a sequence of ``like``'s type: a list, a tuple, or a named tuple (built by its fields)."""
+    return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
 
 
 def _rebuilt(batch: Mapping, rows: dict[str, Any]) -> Any:

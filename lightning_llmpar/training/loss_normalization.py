@@ -18,12 +18,13 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-__all__ = ["PaddedMeanWarning", "TokenNormalizer", "count_target_tokens", "label_counter", "model_shifts_labels"]
+__all__ = ["PaddedMeanWarning", "TokenNormalizer", "batch_targets", "count_target_tokens", "label_counter",
+           "model_shifts_labels"]
 
 IGNORE_INDEX = -100
 
 
-def _targets(batch: Any, shifted: bool = True) -> Tensor | None:
+def batch_targets(batch: Any, shifted: bool = True) -> Tensor | None:
     """A dict's ``labels`` (shifted by one as transformers' causal-LM loss does, where ``shifted``; a sample's
     class labels, 1-D, never are), a dict's ``targets`` (already shifted: the bundled packed rows), or the targets
     (second element) of an ``(inputs, targets)`` pair."""
@@ -38,8 +39,8 @@ def _targets(batch: Any, shifted: bool = True) -> Tensor | None:
 
 
 def count_target_tokens(batch: Any, shifted: bool = True) -> int:
-    """Valid targets of a batch (see ``_targets``); ``-100`` marks ignored positions."""
-    targets = _targets(batch, shifted)
+    """Valid targets of a batch (see ``batch_targets``); ``-100`` marks ignored positions."""
+    targets = batch_targets(batch, shifted)
     if targets is not None:
         return int((targets != IGNORE_INDEX).sum())
     raise ValueError(
@@ -119,7 +120,7 @@ class PaddedMeanWarning:
         if self.looks <= 0:
             return
         self.looks -= 1
-        targets = _targets(batch)
+        targets = batch_targets(batch)
         if targets is None or not bool((targets == IGNORE_INDEX).any()):
             return
         self.looks = 0
