@@ -203,6 +203,7 @@ def _warn_if_other_stacks_stay_whole(model: nn.Module, prefix: str, split: list[
     if others:
         rank_zero_warn(
             f"tensor_parallel={tp} splits the blocks of '{prefix}'; those of {', '.join(repr(o) for o in others)}"
-            " stay whole on every rank (exact, without the saving): the plan splits one stack of blocks. Split"
-            " another one's linears with tp_plan={...} (docs/model-convention.md) if it is large."
+            " stay whole on every rank (exact, without the saving): the plan splits one stack of blocks. Name the"
+            f" one to split with block_stack={others[0]!r}, or split another one's linears with tp_plan={{...}}"
+            " (docs/model-convention.md) if it is large."
         )

@@ -375,10 +375,43 @@ class NotCausal(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class Distilled(LightningModule):
+    """Knowledge distillation: a student trained on the KL to a frozen teacher twice its width, both transformers
+    Llamas in one module. The teacher runs first ("distilled_teacher_first") or after the student."""
+
+    def __init__(self, name: str = "", lr: float = 0.5, **_: Any) -> None:
+        super().__init__()
+        import transformers
+
+        def llama(width: int) -> nn.Module:
+            return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False))
+
+        self.lr, self.teacher_first = lr, name.endswith("teacher_first")
+        self.student, self.teacher = llama(WIDTH), llama(2 * WIDTH).requires_grad_(False)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids = batch["input_ids"]
+        if self.teacher_first:
+            with torch.no_grad():
+                teacher = self.teacher(input_ids=ids).logits
+        student = self.student(input_ids=ids).logits
+        if not self.teacher_first:
+            with torch.no_grad():
+                teacher = self.teacher(input_ids=ids).logits
+        kl = F.kl_div(F.log_softmax(student / 2, -1), F.log_softmax(teacher / 2, -1), log_target=True, reduction="none")
+        return kl.sum(-1).mean() * 4
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
 CUSTOM = {"containers": Containers, "zipped": Zipped, "indexed": Indexed, "reuses_embedding": ReusesEmbedding, "unchained": Unchained,
           "passes_state": PassesState, "looped": Looped, "called_twice": CalledTwice, "sequential": SequentialStack, "reads_embedding": ReadsEmbedding,
           "nanogpt": NanoGPT, "nanogpt_own_width": NanoGPT,
           "reads_gated_embedding": ReadsGatedEmbedding,
           "gpt_moe": GPTMoE, "titan_tied": TitanLM, "titan_untied": TitanLM,
           "titan_named": TitanLM, "titan_from1": TitanLM, "t5": NotCausal, "bert_mlm": NotCausal,
-          "own_positions": OwnPositions}
+          "own_positions": OwnPositions, "distilled": Distilled,
+          "distilled_teacher_first": Distilled}

@@ -259,6 +259,24 @@ def test_labels_that_are_every_target_are_counted_whole_under_tokens() -> None:
         _same_training(ref, two)
 
 
+def test_a_frozen_teacher_larger_than_the_student_is_not_the_stack_the_layout_splits() -> None:
+    # Distillation: the frozen teacher (twice the student's width) was taken for the block stack, being the largest:
+    # pipeline parallelism split the teacher and refused the student as "modules before the stack", and tensor
+    # parallelism split the teacher, leaving the trained student whole on every rank.
+    from lightning_llmpar.modeling.structure import find_block_stack
+    from tests.custom_models import Distilled
+
+    stack = find_block_stack(Distilled())
+    assert stack is not None and stack.prefix == "student.model.layers"
+    opts = {"steps": 3}
+    refs = _cases(1, [(m, None, opts) for m in ("distilled", "distilled_teacher_first")])
+    # A teacher run before the student's blocks runs on every pipeline rank (its logits are the loss's): 1F1B.
+    outs = _cases(2, [("distilled", {"pipeline_parallel": 2}, opts), ("distilled", {"tensor_parallel": 2}, opts),
+                      ("distilled_teacher_first", {"pipeline_parallel": 2, "pipeline_schedule": "1F1B"}, opts)])
+    for ref, two in zip([refs[0][0], refs[0][0], refs[1][0]], outs):
+        _same_training(ref, two)
+
+
 # ----------------------------------------------------------------------------------------- dropout
 
 

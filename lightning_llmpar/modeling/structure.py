@@ -145,16 +145,19 @@ def _is_stack(module: nn.Module) -> bool:
 
 def find_block_stack(model: nn.Module) -> BlockStack | None:
     """The stack named by the user (``block_stack``), else the ModuleList, ModuleDict or Sequential of blocks
-    (``_is_stack``) holding the most parameters, or None if there is none."""
+    (``_is_stack``) holding the most trained parameters, then the most parameters, or None if there is none.
+
+    Trained first: a distillation module's frozen teacher is often larger than the student it trains, and a
+    pipeline or tensor-parallel split of the teacher would leave the model being trained whole on every rank."""
     for name, module in model.named_modules():
         if getattr(module, MARK, False):
             return BlockStack(prefix=name, blocks=module)  # type: ignore[arg-type]
-    best: tuple[int, str, Stack] | None = None
+    best: tuple[tuple[int, int], str, Stack] | None = None
     for name, module in model.named_modules():
         if not _is_stack(module):
             continue
-        size = num_params(module)
-        if size > 0 and (best is None or size > best[0]):
+        size = (sum(p.numel() for p in module.parameters() if p.requires_grad), num_params(module))
+        if size[1] > 0 and (best is None or size > best[0]):
             best = (size, name, module)  # type: ignore[assignment]
     if best is None:
         return None

@@ -177,11 +177,12 @@ def _run_everywhere(module: LightningModule, stack: BlockStack, config: Pipeline
         )
     if before and config.virtual_stages > 1:
         raise ValueError(
-            f"Pipeline split: the blocks of '{stack.prefix}' read values that {_few(before)} compute before the stack"
-            " (per-layer inputs, the embeddings), so those modules run on every pipeline rank, their gradients summed"
-            f" over the ranks. pipeline_schedule={config.schedule!r} runs {config.virtual_stages} stages per rank,"
-            " which cannot share them: set pipeline_schedule='1F1B' (or 'GPipe'), or train without pipeline"
-            " parallelism (pipeline_parallel=1)."
+            f"Pipeline split: the blocks of '{stack.prefix}' or the step after them read values that {_few(before)}"
+            " compute before the stack (per-layer inputs, the embeddings, a frozen teacher's logits), so those"
+            " modules run on every pipeline rank, their gradients summed over the ranks."
+            f" pipeline_schedule={config.schedule!r} runs {config.virtual_stages} stages per rank, which cannot share"
+            " them: set pipeline_schedule='1F1B' (or 'GPipe'), call a model the step does not train after the blocks"
+            " instead of before them, or train without pipeline parallelism (pipeline_parallel=1)."
         )
     return before
 
