@@ -84,6 +84,19 @@ class Zipped(_Base):
         return x
 
 
+class ReadsItsOptimizer(Zipped):
+    """A step that logs its learning rate from its optimizer and its schedule, as users do."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.log("lr", self.optimizers().param_groups[0]["lr"])
+        self.log("scheduled_lr", self.lr_schedulers().get_last_lr()[0])
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)}
+
+
 class _SequentialBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -413,5 +426,5 @@ CUSTOM = {"containers": Containers, "zipped": Zipped, "indexed": Indexed, "reuse
           "reads_gated_embedding": ReadsGatedEmbedding,
           "gpt_moe": GPTMoE, "titan_tied": TitanLM, "titan_untied": TitanLM,
           "titan_named": TitanLM, "titan_from1": TitanLM, "t5": NotCausal, "bert_mlm": NotCausal,
-          "own_positions": OwnPositions, "distilled": Distilled,
+          "own_positions": OwnPositions, "distilled": Distilled, "reads_its_optimizer": ReadsItsOptimizer,
           "distilled_teacher_first": Distilled}

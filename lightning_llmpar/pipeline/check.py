@@ -116,17 +116,45 @@ def step_on_one_sample(trainer: Any, strategy: Any) -> Callable[[], Any] | None:
     if batch is None:
         return None
     module = trainer.lightning_module
+    optimizers: list[Any] = []
 
     def step() -> Any:
         # The user's step runs a few extra times here; ``trainer.strategy.checking_pipeline_split`` lets it skip
         # side effects of its own (counters, files).
         strategy.checking_pipeline_split = True
+        if not optimizers:
+            optimizers.append(_whole_model_optimizers(module))
         try:
-            return module.training_step(batch, 0)
+            with _optimizers_set(strategy, *optimizers[0]):
+                return module.training_step(batch, 0)
         finally:
             strategy.checking_pipeline_split = False
 
     return step
+
+
+def _whole_model_optimizers(module: Any) -> tuple[list[Any], list[Any]]:
+    """The module's optimizers and schedulers over the unsplit model, for a step that reads them (a learning rate
+    logged from ``training_step``): the check runs before the split model's are made. None where they cannot be
+    made yet (a fused kernel refuses parameters on the meta device): the step then sees none, as before."""
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+    try:
+        return _init_optimizers_and_lr_schedulers(module)[:2]
+    except Exception:  # noqa: BLE001 - the check only lends them; the run makes its own after the split
+        return [], []
+
+
+@contextlib.contextmanager
+def _optimizers_set(strategy: Any, optimizers: list[Any], schedulers: list[Any]) -> Iterator[None]:
+    if strategy.optimizers or not optimizers:
+        yield
+        return
+    strategy.optimizers, strategy.lr_scheduler_configs = optimizers, schedulers
+    try:
+        yield
+    finally:
+        strategy.optimizers, strategy.lr_scheduler_configs = [], []
 
 
 @dataclass(frozen=True)
