@@ -23,13 +23,19 @@ __all__ = ["ThroughputAndMemory", "model_flops_per_token", "peak_flops_per_devic
 
 
 def model_flops_per_token(module: nn.Module, seq_len: int, strategy: Any = None) -> float:
-    """Training FLOPs per token of a decoder LM: 6 x (parameters outside input embeddings) for the
+    """Training FLOPs per token of a decoder LM: 6 x (parameters outside input embeddings, a tied head's in) for the
     matmuls forward and backward, plus 12 x layers x width x sequence for attention scores and values.
 
     Counts the whole model from any rank: DTensor shapes are global (tensor/data sharding), and under
     pipeline parallelism (given the ``strategy``) every stage's parameters, a weight tied across stages once.
     """
+    # An embedding a head shares (tied weights) is still the head's matmul: counted where it is a Linear's weight,
+    # or, when a pipeline holds the head's copy on another stage, as the embedding counted for both.
+    runner = getattr(strategy, "pipeline_runner", None)
+    shared = runner.ties.counted_shared() if runner is not None and runner.ties is not None else set()
+    linear = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
     embedding = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    embedding -= linear | shared
     params = count_whole_model(module, strategy, lambda p: id(p) not in embedding)
     stack = find_block_stack(module)
     width = next((m.embedding_dim for m in module.modules() if isinstance(m, nn.Embedding)), 0)

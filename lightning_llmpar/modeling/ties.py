@@ -201,6 +201,12 @@ class TiedCopies:
                     skip.add(id(self.model.get_parameter(name)))
         return skip
 
+    def counted_shared(self) -> set[int]:
+        """ids of the counted copies of weights several stages share (an embedding tied to the last stage's head),
+        not of the modules every stage runs."""
+        return {id(self.model.get_parameter(g.primary)) for g in self.groups
+                if g.primary is not None and len(g.weight.names) > 1}
+
     def aliases(self) -> dict[str, str]:
         """Local copy name -> the name one process gives the weight (for optimizer state in checkpoints)."""
         return {name: g.weight.canonical for g in self.groups for name in g.local if name != g.weight.canonical}
