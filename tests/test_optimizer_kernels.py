@@ -107,3 +107,35 @@ def test_a_group_mixing_plain_tensors_and_dtensors_steps_fused_per_kind() -> Non
     assert split["groups"] == split["saved_groups"] == 1 and split["lr"] == loop["lr"] == 1e-2 / 16
     for a, b in zip(split["params"], loop["params"], strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def _adafactor_run(kwargs: dict) -> str | None:
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_llmpar import LLMParallelStrategy
+    from lightning_llmpar.models import GPTModule
+
+    torch.set_num_threads(1)
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+    module = GPTModule(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_kv_head=2, n_embd=32)
+    module.configure_optimizers = lambda: torch.optim.Adafactor(module.parameters(), lr=1e-2)  # type: ignore[method-assign]
+    trainer = Trainer(accelerator="cpu", devices=2, max_steps=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, strategy=LLMParallelStrategy(**kwargs))
+    try:
+        trainer.fit(module, DataLoader(TensorDataset(ids, ids), batch_size=4))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_adafactor_on_sharded_parameters_is_refused_before_the_first_step() -> None:
+    # torch.optim.Adafactor's step fails on DTensors (an in-place op on a norm's partial placement) with torch's
+    # message; parameters kept whole (pipeline, data parallelism without sharding) step as one process's.
+    from tests.distributed import run_ranks
+
+    for kwargs in ({"zero_stage": 3}, {"tensor_parallel": 2}):
+        errors = run_ranks(_adafactor_run, 2, kwargs)
+        assert all("Adafactor cannot step sharded parameters" in (e or "") and "zero_stage=0" in e for e in errors), errors
+    for kwargs in ({"pipeline_parallel": 2, "pipeline_schedule": "1F1B"}, {"zero_stage": 0}):
+        assert run_ranks(_adafactor_run, 2, kwargs) == [None, None], kwargs

@@ -39,6 +39,7 @@ def apply_optimizer_kernels(optimizers: Iterable[Optimizer], module: nn.Module, 
     names = {id(p): n for n, p in module.named_parameters()}
     counts = {"fused": 0, "split": 0, "loop": 0}
     for optimizer in optimizers:
+        _refuse_sharded(optimizer, names)
         split = set()
         for index, group in enumerate(optimizer.param_groups):
             chosen = bool(group.get("foreach")) or bool(group.get("fused"))
@@ -127,6 +128,25 @@ def keep_kernels(optimizers: list[Optimizer]) -> Iterator[None]:
                 state = optimizer.state.get(p, {})
                 if torch.is_tensor(state.get("step")):
                     state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
+
+# Optimizers whose step fails on DTensor parameters (torch.optim.Adafactor's in-place ops on a norm's partial
+# placement, with or without foreach): refused before the first step rather than failing inside it.
+_NOT_ON_DTENSORS = (torch.optim.Adafactor,)
+
+
+def _refuse_sharded(optimizer: Optimizer, names: dict[int, str]) -> None:
+    if not isinstance(optimizer, _NOT_ON_DTENSORS):
+        return
+    sharded = next((names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"]
+                    if isinstance(p, DTensor)), None)
+    if sharded is not None:
+        raise ValueError(
+            f"{type(optimizer).__name__} cannot step sharded parameters (DTensors such as '{sharded}', made by"
+            " tensor parallelism, zero_stage >= 1 or context parallelism): torch's step fails on them. Use AdamW"
+            " (or another torch optimizer that takes DTensors), or train with layouts that keep parameters whole:"
+            " pipeline_parallel, and data parallelism with zero_stage=0."
+        )
 
 
 def _split_indices(optimizer: Optimizer) -> set[int]:
