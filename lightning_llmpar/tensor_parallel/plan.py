@@ -127,6 +127,15 @@ class _Planner(RegionPlanning, MoEPlanning, AttentionPlanning):
         role = self.roles.get(name)
         if role == "col" and leaf.lower() in fam.FUSED_QKV | fam.FUSED_UP:
             role = None  # fused: our per-piece split, not the shipped gathered one
+        if role in ("col", "row", "qkv", "gate_up") and not _linear_like(module) and not hasattr(module, "weight"):
+            # A plan's projection name on a module wrapping one (an adapter written by hand): no weight to split.
+            inner = next((f"'{name}.{n}'" for n, m in module.named_modules() if n and _linear_like(m)), "none")
+            raise ValueError(
+                f"Module '{name}' is a {type(module).__name__}, where the plan splits a projection: tensor parallelism"
+                f" splits nn.Linear layers (and peft's LoRA layers around them), and this module has no weight of its"
+                f" own (its linear layers: {inner}). Use peft's LoRA for adapters (split with their base layer), or"
+                " train this model without tensor parallelism (zero_stage=3, pipeline_parallel)."
+            )
         if role is not None or not _linear_like(module):
             return role
         return roles_here.get(leaf)

@@ -606,3 +606,24 @@ def test_a_second_stack_the_plan_leaves_whole_is_named() -> None:
                                          r" stay whole"):
         _warn_if_blocks_stay_whole(model, infer_tp_plan(model, 2).styles, 2)
     # (A model with one stack stays silent: the GPT of the test above.)
+
+
+def test_a_projection_wrapped_by_a_hand_written_adapter_is_refused_with_the_fix() -> None:
+    # A LoRA written by hand (the projection as `base`, low-rank matrices beside it) under transformers' plan names
+    # q_proj for a split: it failed with AttributeError: 'LoRALinear' object has no attribute 'weight'.
+    class LoRALinear(nn.Module):
+        def __init__(self, base: nn.Linear) -> None:
+            super().__init__()
+            self.base = base
+            self.lora_a = nn.Parameter(torch.zeros(4, base.in_features))
+            self.lora_b = nn.Parameter(torch.zeros(base.out_features, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base(x) + x @ self.lora_a.t() @ self.lora_b.t()
+
+    model = _zoo_model("llama")
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj)
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_proj' is a LoRALinear") as e:
+        infer_tp_plan(model, 2)
+    assert "'model.layers.0.self_attn.q_proj.base'" in str(e.value) and "peft" in str(e.value)
