@@ -32,7 +32,8 @@ CASES = [
     ("llama", {"tensor_parallel": 2}, 8, {"tag": "tp2"}),
     ("gpt_moe", {"expert_parallel": 2}, 4, {"tag": "ep2"}),
     ("mixtral", {"expert_parallel": 2}, 4, {"tag": "ep2"}),
-    ("qwen3", {"zero_stage": 3, **TOKENS}, 4, {"tag": "dp2_tokens", "padded": True}),
+    # Validated too: the ranks' validation losses (sync_dist) weighed by their valid labels, not the mean of means.
+    ("qwen3", {"zero_stage": 3, **TOKENS}, 4, {"tag": "dp2_tokens", "padded": True, "validate": True}),
     ("llama", {"zero_stage": 0}, 4, {"tag": "dp2_replicated"}),  # DDP's hooks clone the step's output
     # A rank's or a microbatch's samples with every label ignored: their NaN mean (0/0) was weighed by zero tokens
     # into a NaN logged loss; the pipeline's check, on such a first sample, blamed the model's split.

@@ -277,7 +277,8 @@ class HFCausalLM(LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self.model(**batch).loss)  # the mean over the batch's valid labels
+        # The mean over the batch's valid labels; over the data-parallel ranks weighed by theirs under "tokens".
+        self.log("val_loss", self.model(**batch).loss, sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = list(self.parameters())  # frozen ones get no gradient and no update
