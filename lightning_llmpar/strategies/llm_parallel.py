@@ -36,7 +36,6 @@ from lightning_llmpar.strategies.options import BACKENDS, START_METHODS, validat
 from lightning_llmpar.tensor_parallel import Packing
 from lightning_llmpar.tensor_parallel.loss_parallel import LossParallel, split_logits
 from lightning_llmpar.training.batches import train_batch_sizes
-from lightning_llmpar.training.eval_logs import evaluation_logs
 from lightning_llmpar.training.logged_loss import captured_logs, replay_logs, step_loss, step_returns, true_loss
 from lightning_llmpar.training.zero_grad import release_unread_grads, zero_grad_follows
 
@@ -326,12 +325,12 @@ class LLMParallelStrategy(CheckpointingStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context(), evaluation_logs(self, args):
+        with self.precision_plugin.val_step_context(), self.evaluation_logs(args):
             return self._step("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context(), evaluation_logs(self, args):
+        with self.precision_plugin.test_step_context(), self.evaluation_logs(args):
             return self._step("test_step", *args, **kwargs)
 
     @override

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_llmpar.layout import ParallelLayout
+from lightning_llmpar.training.eval_logs import evaluation_logs
 from lightning_llmpar.training.loaders import check_loader
 from lightning_llmpar.training.sync_groups import apply_metric_groups, log_group
 
@@ -192,6 +193,11 @@ class MeshStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group if group is not None else self._log_group, reduce_op=reduce_op)
         return tensor
+
+    def evaluation_logs(self, args: tuple) -> Any:
+        """Around an evaluation step: its synced means token-weighted over the data-parallel ranks (training.eval_logs)."""
+        batch = args[0] if args else None
+        return evaluation_logs(self.lightning_module, getattr(self, "_composed", None), batch, self._log_group, self.root_device)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

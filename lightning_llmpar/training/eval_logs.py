@@ -30,22 +30,20 @@ _REDUCE_FX, _SYNC_DIST = 4, 6  # positions after the value in LightningModule.lo
 
 
 @contextmanager
-def evaluation_logs(strategy: Any, args: tuple) -> Iterator[None]:
-    """Around an evaluation step of ``strategy`` (its batch first in ``args``): its synced means token-weighted over
-    the ranks ``sync_dist`` reduces over, where tokens are counted and data-parallel ranks hold different data.
-    Under context parallelism evaluation is left to its own logging."""
-    composed = getattr(strategy, "_composed", None)
+def evaluation_logs(module: Any, composed: Any, batch: Any, group: Any, device: torch.device) -> Iterator[None]:
+    """Around an evaluation step of ``composed`` (the strategy's set-up) on ``batch``: its synced means
+    token-weighted over the data-parallel ``group`` (what ``sync_dist`` reduces over), where tokens are counted and
+    data-parallel ranks hold different data. Under context parallelism evaluation is left to its own logging."""
     if composed is None or composed.tokens is None or composed.layout.dp == 1 or composed.layout.cp > 1:
         yield
         return
-    module = strategy.lightning_module
     with captured_logs(module) as calls:
         yield
     try:
-        tokens = int(composed.tokens.count(args[0] if args else None))
+        tokens = int(composed.tokens.count(batch))
     except ValueError:  # evaluation data without the targets training counts: equal weights, as Lightning's
         tokens = 1
-    replay_logs(module, token_weighted(calls, tokens, strategy._log_group, strategy.root_device), None, None)
+    replay_logs(module, token_weighted(calls, tokens, group, device), None, None)
 
 
 def token_weighted(calls: list[LoggedCall], tokens: int, group: Any, device: torch.device) -> list[LoggedCall]:
