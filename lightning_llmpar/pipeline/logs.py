@@ -20,7 +20,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_llmpar.training.batches import same_sequence
-from lightning_llmpar.training.logged_loss import LoggedCall, is_the_loss, token_sum
+from lightning_llmpar.training.logged_loss import LoggedCall, is_the_loss, reduce_fx_name, token_sum
 
 __all__ = ["eval_tokens", "merge_outputs", "summarize_logs"]
 
@@ -55,17 +55,9 @@ def summarize_logs(calls: list[LoggedCall], microbatches: int, raw_losses: list[
             payload = ("loss", None)
         else:
             nums = [float(v.detach().double().mean()) if isinstance(v, Tensor) else float(v) for v in vals[-microbatches:]]
-            payload = ("value", _combine(nums, weights, _reduce_fx(call)))
+            payload = ("value", _combine(nums, weights, reduce_fx_name(call)))
         summary.append((name, payload, call.args, call.kwargs))
     return summary
-
-
-def _reduce_fx(call: LoggedCall) -> str:
-    """The call's ``reduce_fx`` by name: 'sum', 'max', 'min', or 'mean' (Lightning's default, and anything else)."""
-    # log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, ...): the fifth argument after the value
-    fx = call.kwargs.get("reduce_fx", call.args[4] if len(call.args) > 4 else "mean")
-    names = {torch.sum: "sum", torch.max: "max", torch.min: "min", sum: "sum", max: "max", min: "min"}
-    return fx if isinstance(fx, str) and fx in ("sum", "max", "min") else names.get(fx, "mean")
 
 
 def _combine(nums: list[float], weights: list[Any], reduce_fx: str) -> float:

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_llmpar.training.logged_loss import LoggedCall, captured_logs, replay_logs
+from lightning_llmpar.training.logged_loss import LoggedCall, captured_logs, reduce_fx_name, replay_logs
 
 __all__ = ["evaluation_logs", "token_weighted"]
 
-_REDUCE_FX, _SYNC_DIST = 4, 6  # positions after the value in LightningModule.log(name, value, prog_bar, ...)
+_SYNC_DIST = 6  # its position after the value in LightningModule.log(name, value, prog_bar, ...)
 
 
 @contextmanager
@@ -68,10 +68,9 @@ def token_weighted(calls: list[LoggedCall], tokens: int, group: Any, device: tor
 
 def _synced_mean(call: LoggedCall) -> bool:
     sync = call.kwargs.get("sync_dist", call.args[_SYNC_DIST] if len(call.args) > _SYNC_DIST else False)
-    fx = call.kwargs.get("reduce_fx", call.args[_REDUCE_FX] if len(call.args) > _REDUCE_FX else "mean")
     number = isinstance(call.value, Tensor) and call.value.numel() == 1 and call.value.is_floating_point()
     number = number or (isinstance(call.value, Number) and not isinstance(call.value, bool))
-    return bool(sync) and fx in ("mean", torch.mean) and number
+    return bool(sync) and reduce_fx_name(call) == "mean" and number
 
 
 def _number(value: Any) -> float:

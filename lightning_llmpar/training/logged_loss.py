@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["token_sum", "LoggedCall", "captured_logs", "global_loss", "is_the_loss", "replay_logs", "shadowed", "step_loss",
+__all__ = ["token_sum", "LoggedCall", "captured_logs", "global_loss", "is_the_loss", "reduce_fx_name", "replay_logs", "shadowed", "step_loss",
            "step_returns", "true_loss"]
 
 
@@ -37,6 +37,14 @@ class LoggedCall:
     value: Any
     args: tuple = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def reduce_fx_name(call: LoggedCall) -> str:
+    """The call's ``reduce_fx`` by name: 'sum', 'max', 'min', or 'mean' (Lightning's default, and anything else)."""
+    # log(name, value, prog_bar, logger, on_step, on_epoch, reduce_fx, ...): the fifth argument after the value
+    fx = call.kwargs.get("reduce_fx", call.args[4] if len(call.args) > 4 else "mean")
+    names = {torch.sum: "sum", torch.max: "max", torch.min: "min", sum: "sum", max: "max", min: "min"}
+    return fx if isinstance(fx, str) and fx in ("sum", "max", "min") else names.get(fx, "mean")
 
 
 @contextmanager
