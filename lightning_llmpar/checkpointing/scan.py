@@ -71,7 +71,7 @@ def checkpoint_problem(path: Path, kind: str | None = None) -> str | None:
         if bad is not None:
             return f"{META_FILE} is corrupt ({bad})"
         safe_torch_load(path / META_FILE, map_location="cpu")
-        for extra in sorted(path.glob("compression_rank*.pt")):
+        for extra in sorted([*path.glob("compression_rank*.pt"), *path.glob("rank_state*.pt")]):
             safe_torch_load(extra, map_location="cpu", mmap=True)
     except UnsafeCheckpointError as err:
         return f"not a checkpoint ({err})"

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
@@ -22,6 +23,7 @@ from typing_extensions import override
 from lightning_llmpar.checkpointing import dcp as ckpt
 from lightning_llmpar.checkpointing.async_save import AsyncSaveHooks
 from lightning_llmpar.checkpointing.manifest import LINEAGE_KEY, foreign_files, remove_owned
+from lightning_llmpar.checkpointing.rank_state import restore_rank_state, split_rank_state, write_rank_state
 from lightning_llmpar.data_parallel.backend import ShardingBackend
 from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint, recover_folder
 from lightning_llmpar.fault_tolerance.diloco import OUTER_STATE
@@ -72,11 +74,22 @@ class CheckpointingStrategy(PreemptionHooks, AsyncSaveHooks, MeshStrategy):
         # Lightning leaves optimizer state out of weights-only checkpoints (ModelCheckpoint(save_weights_only=True)).
         meta = {**{k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")},
                 "llmpar_layout": str(self.layout), "llmpar_optimizer_state": "optimizer_states" in checkpoint}
-        kind, lineage = self._backend.checkpoint_kind, checkpoint.get(LINEAGE_KEY)
-        if self._save_in_background(path, lambda staging: self._backend.checkpoint_state(staging, meta), meta, lineage):
+        # What differs by rank (a callback's sharded EMA, a stage's own tensors) is also written by every rank.
+        own = split_rank_state(meta, world_size=self.world_size, gather=self._gather_objects)
+        kind, lineage, rank = self._backend.checkpoint_kind, checkpoint.get(LINEAGE_KEY), self.global_rank
+
+        def state(staging: Path) -> dict[str, Any]:
+            write_rank_state(staging, rank, own)
+            return self._backend.checkpoint_state(staging, meta)
+
+        def write(staging: Path) -> None:
+            write_rank_state(staging, rank, own)
+            self._backend.write_checkpoint(staging, meta)
+
+        if self._save_in_background(path, state, meta, lineage):
             return
         ckpt.write_atomically(  # a path holding files this library did not write is refused on every rank
-            path, lambda staging: self._backend.write_checkpoint(staging, meta), is_rank_zero=self.is_global_zero,
+            path, write, is_rank_zero=self.is_global_zero,
             barrier=self.barrier, broadcast=self.broadcast, kind=kind, lineage=lineage, agree=self.reduce_boolean_decision,
         )
 
@@ -91,11 +104,23 @@ class CheckpointingStrategy(PreemptionHooks, AsyncSaveHooks, MeshStrategy):
             rank_zero_warn(note)
         trusted = self.options.checkpoint_weights_only if weights_only is None else weights_only
         meta = self._backend.load_checkpoint(path, trusted)
+        attached = {cb.state_key for cb in self.lightning_module.trainer.callbacks}
+        note = restore_rank_state(meta, path, rank=self.global_rank, world_size=self.world_size,
+                                  layout=str(self.layout), attached=attached, mesh=self.device_mesh)
+        if note is not None:
+            rank_zero_warn(note)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         from_another_sync = meta.get("llmpar_optimizer_state", True) and meta.get(OUTER_STATE) is None
         if self.options.diloco is not None and fitting and from_another_sync:
             rank_zero_warn(RESUMED_DILOCO)
         return meta
+
+    def _gather_objects(self, obj: Any) -> list[Any]:
+        if self.world_size == 1 or not torch.distributed.is_initialized():
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, obj)
+        return gathered
 
     @property
     def outer_optimizer(self) -> Optimizer | None:

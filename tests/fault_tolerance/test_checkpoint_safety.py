@@ -71,7 +71,7 @@ def _plant(folder: Path, source: Path, name: str, marker: Path, file: str) -> No
         torch.save({"state": payload}, planted / file)
 
 
-@pytest.mark.parametrize("file", [".metadata", "meta.pt", "compression_rank0.pt"])
+@pytest.mark.parametrize("file", [".metadata", "meta.pt", "compression_rank0.pt", "rank_state0.pt"])
 def test_planted_payload_never_runs_and_the_folder_is_skipped(first_run: Path, tmp_path: Path, file: str) -> None:
     folder = _copy(first_run, tmp_path)
     marker = tmp_path / "marker"

@@ -1,0 +1,100 @@
+"""A callback whose state differs by rank (an EMA of sharded weights, of one pipeline stage's weights) resumes
+with every rank's own state, as one process's EMA continues; on another layout it is refused, not mixed up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from tests.distributed import run_ranks
+from tests.workloads import fit, fit_error, full
+
+GLOBAL_BATCH, SAMPLES = 16, 48  # 3 steps per epoch: the checkpoint falls on an epoch boundary
+
+
+class EMA(Callback):
+    """A hand-written EMA of the weights, as users write one: state is the module's own parameters (DTensor shards
+    under ZeRO-3 and tensor parallelism; this stage's only under pipeline parallelism)."""
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = decay
+        self.ema: dict[str, torch.Tensor] | None = None
+        self.whole: list[Any] = []
+
+    @torch.no_grad()
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if self.ema is None:
+            self.ema = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+            return
+        for n, p in pl_module.named_parameters():
+            self.ema[n].lerp_(p.detach(), 1 - self.decay)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        mine = {n: full(t).cpu() for n, t in sorted((self.ema or {}).items())}  # collectives in one order
+        gathered: list[Any] = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
+        if dist.is_initialized():
+            dist.all_gather_object(gathered, mine)
+        self.whole = sorted({n: t for part in gathered for n, t in part.items()}.items())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ema": self.ema}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ema = state["ema"]
+
+
+def ema_fit(kwargs: dict[str, Any] | None, dp: int, **fit_kwargs: Any) -> dict[str, torch.Tensor]:
+    ema = EMA()
+    fit("gpt", kwargs, sgd=True, batch_size=GLOBAL_BATCH // dp, samples=SAMPLES, callbacks_extra=[ema], **fit_kwargs)
+    return dict(ema.whole)
+
+
+def resume_error(kwargs: dict[str, Any], dp: int, path: str, with_ema: bool) -> str | None:
+    return fit_error("gpt", kwargs, sgd=True, batch_size=GLOBAL_BATCH // dp, samples=SAMPLES, steps=6,
+                     ckpt_path=path, callbacks_extra=[EMA()] if with_ema else [])
+
+
+@pytest.fixture(scope="module")
+def one_process_ema(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """Plain Lightning on one process, saving after epoch 0 and resuming from its own checkpoint file (Lightning's
+    loops decide which batches follow a resume)."""
+    path = str(tmp_path_factory.mktemp("plain") / "epoch0.ckpt")
+    run_ranks(ema_fit, 1, None, 1, steps=-1, epochs=1, save_to=path)
+    return run_ranks(ema_fit, 1, None, 1, steps=6, ckpt_path=path)[0]
+
+
+@pytest.mark.parametrize(
+    ("world", "kwargs", "dp"),
+    [
+        pytest.param(2, {"zero_stage": 3}, 2, id="zero3"),
+        pytest.param(2, {"tensor_parallel": 2}, 1, id="tp2"),
+        pytest.param(2, {"pipeline_parallel": 2}, 1, id="pp2"),
+    ],
+)
+def test_a_callbacks_sharded_state_resumes_as_one_process_continues(
+    one_process_ema: dict[str, torch.Tensor], world: int, kwargs: dict[str, Any], dp: int, tmp_path: Path
+) -> None:
+    path = str(tmp_path / "epoch0.ckpt")
+    run_ranks(ema_fit, world, kwargs, dp, steps=-1, epochs=1, save_to=path)
+    resumed = run_ranks(ema_fit, world, kwargs, dp, steps=6, ckpt_path=path)
+    for ema in resumed:
+        assert ema.keys() == one_process_ema.keys()
+        worst = max(float((ema[n] - one_process_ema[n]).abs().max()) for n in ema)
+        assert worst < 1e-5, worst
+    assert sorted(p.name for p in (tmp_path / "epoch0.ckpt").glob("rank_state*.pt")) == [
+        f"rank_state{r}.pt" for r in range(world)]
+
+
+def test_sharded_callback_state_on_another_layout_is_refused_for_the_callback_that_reads_it(tmp_path: Path) -> None:
+    path = str(tmp_path / "epoch0.ckpt")
+    run_ranks(ema_fit, 2, {"tensor_parallel": 2}, 1, steps=-1, epochs=1, save_to=path)
+    errors = run_ranks(resume_error, 2, {"zero_stage": 3}, 2, path, True)
+    assert all(e is not None and "ValueError" in e and "callback EMA" in e for e in errors), errors
+    assert "Resume on the saved layout" in errors[0], errors[0]
+    # Without the callback nobody reads that state: the run resumes.
+    assert run_ranks(resume_error, 2, {"zero_stage": 3}, 2, path, False) == [None, None]
