@@ -126,15 +126,36 @@ class _Manual(GPTModule):
         self.automatic_optimization = False
 
 
-def _fit_manual() -> None:
+class _ManualFromOptimizers(GPTModule):
+    """Switches manual optimization on in configure_optimizers, as some users do."""
+
+    def __init__(self) -> None:
+        super().__init__(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32)
+
+    def configure_optimizers(self) -> Any:
+        self.automatic_optimization = False
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        opt = self.optimizers()
+        loss = self._loss(self(batch[0]), batch[1])
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
+def _fit_manual(where: str) -> None:
     trainer = Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(pipeline_parallel=2), max_steps=1,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    trainer.fit(_Manual(), datamodule=TokenData(8))
+    trainer.fit(_Manual() if where == "init" else _ManualFromOptimizers(), datamodule=TokenData(8))
 
 
-def test_manual_optimization_under_pipeline_is_refused() -> None:
-    with pytest.raises(RuntimeError, match=r"manual optimization \(automatic_optimization=False in _Manual\)"):
-        run_ranks(_fit_manual, 2)
+@pytest.mark.parametrize("where", ["init", "configure_optimizers"])
+def test_manual_optimization_under_pipeline_is_refused(where: str) -> None:
+    name = "_Manual" if where == "init" else "_ManualFromOptimizers"
+    with pytest.raises(RuntimeError, match=rf"manual optimization \(automatic_optimization=False in {name}\)"):
+        run_ranks(_fit_manual, 2, where)
 
 
 def _fit_with(callback_name: str) -> str | None:

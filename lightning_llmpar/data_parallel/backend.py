@@ -29,6 +29,7 @@ from lightning_llmpar.compose import Composed
 from lightning_llmpar.data_parallel.replicate import prepare_manual_backward
 from lightning_llmpar.fault_tolerance.diloco import OUTER_STATE, keep_outer_settings
 from lightning_llmpar.layout import ParallelLayout
+from lightning_llmpar.pipeline.check import refuse_manual_optimization
 from lightning_llmpar.pipeline.runner import PipelineRunner
 from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.strategies.options import StrategyOptions
@@ -183,6 +184,8 @@ class FSDP2Backend(ShardingBackend):
                 " are frozen), so an optimizer over only the parameters with requires_grad is empty. Build the"
                 " optimizer from all parameters (frozen ones get no gradient and no update), or freeze fewer layers."
             ) from err
+        if self.runner is not None:  # configure_optimizers may switch manual optimization on
+            refuse_manual_optimization(module)
         apply_optimizer_kernels(s.optimizers, module, fused=self.options.fused_optimizer)
 
     def _install_global_clipping(self) -> None:

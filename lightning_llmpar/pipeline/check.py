@@ -110,6 +110,16 @@ def _all_ignored(batch: Any) -> bool:
     return isinstance(labels, Tensor) and not labels.is_floating_point() and bool((labels == IGNORE_INDEX).all())
 
 
+def refuse_manual_optimization(module: Any) -> None:
+    """Manual optimization, switched on in ``__init__`` or in ``configure_optimizers``, cannot run under pp."""
+    if not module.automatic_optimization:
+        raise ValueError(
+            "pipeline_parallel > 1 runs forward and backward inside the pipeline schedule, so manual optimization"
+            f" (automatic_optimization=False in {type(module).__name__}) cannot call manual_backward. Use automatic"
+            " optimization, or pipeline_parallel=1."
+        )
+
+
 def step_on_one_sample(trainer: Any, strategy: Any) -> Callable[[], Any] | None:
     """The user's training step on one sample of the first training batch (for the split check), or None."""
     batch = first_sample(trainer)
@@ -124,6 +134,7 @@ def step_on_one_sample(trainer: Any, strategy: Any) -> Callable[[], Any] | None:
         strategy.checking_pipeline_split = True
         if not optimizers:
             optimizers.append(_whole_model_optimizers(module))
+            refuse_manual_optimization(module)  # configure_optimizers may have switched it on
         try:
             with _optimizers_set(strategy, *optimizers[0]):
                 return module.training_step(batch, 0)

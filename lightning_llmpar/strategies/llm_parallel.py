@@ -27,7 +27,7 @@ from lightning_llmpar.data_parallel.fsdp import no_gradient_sync
 from lightning_llmpar.data_parallel.replicate import ManualBackwardRedirection
 from lightning_llmpar.fault_tolerance.replica_groups import ReplicaGroups
 from lightning_llmpar.layout import ParallelLayout
-from lightning_llmpar.pipeline.check import step_on_one_sample
+from lightning_llmpar.pipeline.check import refuse_manual_optimization, step_on_one_sample
 from lightning_llmpar.pipeline.runner import PipelineRunner
 from lightning_llmpar.pipeline.setup import start_training
 from lightning_llmpar.precision.plugins import mesh_precision
@@ -228,12 +228,8 @@ class LLMParallelStrategy(CheckpointingStrategy):
     @override
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
-        if self.layout.pp > 1 and not model.automatic_optimization:
-            raise ValueError(
-                "pipeline_parallel > 1 runs forward and backward inside the pipeline schedule, so manual optimization"
-                f" (automatic_optimization=False in {type(model).__name__}) cannot call manual_backward. Use automatic"
-                " optimization, or pipeline_parallel=1."
-            )
+        if self.layout.pp > 1:
+            refuse_manual_optimization(model)
 
     # ----------------------------------------------------------------- model
 
