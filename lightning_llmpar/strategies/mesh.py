@@ -233,5 +233,7 @@ def _refuse_weight_averaging(trainer: Any) -> None:
         raise ValueError(
             f"{found[0]} keeps a whole copy of the module, made before LLMParallelStrategy shards or splits it, and"
             " pairs its parameters with the sharded ones: it cannot average them. Remove the callback, or train"
-            " with a strategy that keeps whole models (Lightning's 'ddp')."
+            " with a strategy that keeps whole models (Lightning's 'ddp'). A callback keeping its own average of"
+            " pl_module.named_parameters() (tensors it updates in place, returned by its state_dict) works under"
+            " every layout and resumes (docs/fault-tolerance.md, 'State that differs by rank')."
         )
