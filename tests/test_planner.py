@@ -277,8 +277,9 @@ def test_two_ranks_under_bf16_autocast_peak_near_the_prediction() -> None:
     kernels keep buffers of their own in host memory, which no tensor count holds (pp2 1F1B measured 149.8 MiB
     against 122.7 predicted there, 18%; with oneDNN held to AVX2 on that host, 141.7 MiB, 13.4%)."""
     model = {"vocab_size": 256, "n_layer": 6, "n_head": 6, "n_kv_head": 2, "n_embd": 384}
-    layouts = [Candidate(tp=2, micro_batch=8), Candidate(tp=2, micro_batch=8, sequence_parallel=False),
-               Candidate(pp=2, micro_batch=2, microbatches=4, schedule="1F1B"), Candidate(dp=2, zero=3, micro_batch=8)]
+    # (without sequence parallelism: measured at fp32, test_predicted_peaks_are_within_ten_percent_of_measured_ones)
+    layouts = [Candidate(tp=2, micro_batch=8), Candidate(pp=2, micro_batch=2, microbatches=4, schedule="1F1B"),
+               Candidate(dp=2, zero=3, micro_batch=8)]
     per_rank = run_ranks(_measure_bf16, 2, layouts, model, 128, "AVX2", timeout=900)
     for i, c in enumerate(layouts):
         measured = max(rank[i] for rank in per_rank)
@@ -361,13 +362,14 @@ def test_predicted_peaks_are_within_ten_percent_of_measured_ones() -> None:
         Candidate(dp=2, zero=3, micro_batch=8, checkpointing="full"),
         Candidate(dp=2, dp_replicate=2, micro_batch=8),
         Candidate(tp=2, micro_batch=8),
+        Candidate(tp=2, micro_batch=8, sequence_parallel=False),
         Candidate(pp=2, micro_batch=2, microbatches=4, schedule="1F1B"),
     ]
     per_rank = run_ranks(_measure, 2, layouts, model, 128, timeout=900)
     spec = model_spec(model)
     # ZeRO-3 with full checkpointing measured 121.0 MiB against 106.7 predicted (11.8%) on an AVX-512 host, with AVX2
     # kernels too; within 10% on the hosts before. The cause on that host is not found: 15% for this case.
-    tolerance = [0.15, 0.10, 0.10, 0.10]
+    tolerance = [0.15, 0.10, 0.10, 0.10, 0.10]
     for i, c in enumerate(layouts):
         measured = max(rank[i] for rank in per_rank)
         predicted = predict_memory(spec, c, 128, FP32).peak
