@@ -38,6 +38,8 @@ def reduce_partial_grads(parameters: Iterable[Tensor]) -> int:
                 dist.all_reduce(flat, group=mesh.get_group(dim))
         done = tuple(Replicate() if isinstance(pl, Partial) else pl for pl in placements)
         for p, local, part in zip(params, locals_, flat.split([t.numel() for t in locals_])):
-            full = part.view_as(local)
-            p.grad = DTensor.from_local(full, mesh, done, run_check=False, shape=p.grad.shape, stride=p.grad.stride())
+            # Back into each gradient's own storage: a view of `flat` would hold all of it, and a DTensor over a
+            # view of a shared buffer cannot be deep-copied (copy.deepcopy of the model, AveragedModel).
+            local.copy_(part.view_as(local))
+            p.grad = DTensor.from_local(local, mesh, done, run_check=False, shape=p.grad.shape, stride=p.grad.stride())
     return sum(len(v) for v in groups.values())
