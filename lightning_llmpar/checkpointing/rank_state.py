@@ -50,7 +50,9 @@ def _signature(value: Any) -> tuple[str, int, bool]:
         nonlocal crc, sharded
         if isinstance(v, DTensor):
             parts.append(f"{at}:dtensor{tuple(v.shape)}{v.dtype}{v.placements}")
-            sharded = sharded or any(not isinstance(p, Replicate) for p in v.placements)
+            if any(not isinstance(p, Replicate) for p in v.placements):
+                sharded = True  # this rank's own whatever its values: not read
+                return
             v = v.to_local()
         if isinstance(v, torch.Tensor):
             parts.append(f"{at}:{tuple(v.shape)}{v.dtype}")
