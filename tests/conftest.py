@@ -208,6 +208,10 @@ FULL: list[tuple[str, str]] = [
      "two trainings and two loads for an export's dtype"),
     ("tests/context_parallel/test_context_parallel.py::test_context_parallel_is_exact[[]4-qwen2-cp2_dp2_zero3[]]",
      "cp2 x dp2 on four ranks (cp2 on two ranks is fast)"),
+    ("tests/checkpointing/test_rank_state.py::test_a_callbacks_sharded_state_resumes_as_one_process_continues[[]zero3]",
+     "a sharded EMA resumed at ZeRO-3 (tp2's DTensor shards and pp2's stage-local state stay fast)"),
+    ("tests/checkpointing/test_rank_state.py::test_an_averaged_model_of_the_tensor_parallel_model_averages_as_one_process",
+     "torch's AveragedModel at tp2 against one process"),
 ]
 
 
