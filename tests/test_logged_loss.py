@@ -23,7 +23,8 @@ TOKENS = {"loss_normalization": "tokens"}
 CASES = [
     ("llama", {"context_parallel": 2}, 8, {"tag": "cp2"}),
     ("titan_untied", {"context_parallel": 2}, 8, {"tag": "cp2"}),  # (inputs, targets) pairs, a ModuleDict stack
-    ("qwen3", {"context_parallel": 2}, 8, {"tag": "cp2_padded", "padded": True}),
+    # Validated too: each context-parallel rank holds part of every sequence, right padding mostly in the second.
+    ("qwen3", {"context_parallel": 2}, 8, {"tag": "cp2_padded", "padded": True, "validate": True}),
     ("llama", {"pipeline_parallel": 2}, 8, {"tag": "pp2"}),
     ("titan_untied", {"pipeline_parallel": 2}, 8, {"tag": "pp2_float64", "precision": "64-true"}),  # not rounded to fp32
     # Validated after training too: the microbatches' validation losses weighed by their valid labels.
