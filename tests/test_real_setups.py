@@ -245,6 +245,15 @@ def test_padded_batches_token_exact_under_every_layout() -> None:
     assert len(said[10]) == 1 and not any(said[:10] + said[11:]), said
 
 
+def test_padded_evaluation_under_the_default_mean_says_how_it_differs() -> None:
+    # A pipeline's validation loss is the mean of its microbatches' means under "mean" (NaN for a microbatch without
+    # a valid target), unlike one process's over the batch's valid targets: said once, as for training batches.
+    (outs,) = _cases(2, [("llama", {"pipeline_parallel": 2}, {"padded": True, "steps": 1, "validate": True})])
+    said = [w for w in outs[0]["warnings"] if "an evaluation batch has ignored targets" in w]
+    assert len(said) == 1 and "microbatches" in said[0] and "NaN" in said[0], outs[0]["warnings"]
+    assert not any("an evaluation batch" in w for w in outs[1]["warnings"])  # rank 0 only
+
+
 def test_labels_that_are_every_target_are_counted_whole_under_tokens() -> None:
     # T5's labels are its decoder's targets and BERT's masked-LM labels are every position's: "tokens" counted them
     # as a causal LM's, shifted by one (a sample fewer per row), and trained to other weights (1e-3 at dp2 ZeRO-3).

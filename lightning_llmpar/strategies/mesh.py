@@ -196,8 +196,10 @@ class MeshStrategy(ParallelStrategy):
 
     def evaluation_logs(self, args: tuple) -> Any:
         """Around an evaluation step: its synced means token-weighted over the data-parallel ranks (training.eval_logs)."""
-        batch = args[0] if args else None
-        return evaluation_logs(self.lightning_module, getattr(self, "_composed", None), batch, self._log_group, self.root_device)
+        batch, composed = args[0] if args else None, getattr(self, "_composed", None)
+        if composed is not None and composed.padded_mean is not None and batch is not None:
+            composed.padded_mean.see(batch, "evaluation")
+        return evaluation_logs(self.lightning_module, composed, batch, self._log_group, self.root_device)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

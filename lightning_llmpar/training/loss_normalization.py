@@ -111,23 +111,26 @@ class PaddedMeanWarning:
     """Under the default ``loss_normalization='mean'``, where the layout cuts each batch into parts whose mean losses
     weigh the same (data-parallel ranks, pipeline microbatches): warns once if one of the first training batches
     has ignored targets, since then the parts' valid targets differ and the loss and gradients are not one
-    process's mean over the batch. Only the first batches are looked at: each look reads the targets' values."""
+    process's mean over the batch; once more for the first evaluation batches (a validation loss). Only the first
+    batches are looked at: each look reads the targets' values."""
 
     def __init__(self, parts: str, looks: int = 8) -> None:
-        self.parts, self.looks = parts, looks
+        self.parts, self.looks = parts, {"training": looks, "evaluation": looks}
 
-    def see(self, batch: Any) -> None:
-        if self.looks <= 0:
+    def see(self, batch: Any, kind: str = "training") -> None:
+        if self.looks[kind] <= 0:
             return
-        self.looks -= 1
+        self.looks[kind] -= 1
         targets = batch_targets(batch)
         if targets is None or not bool((targets == IGNORE_INDEX).any()):
             return
-        self.looks = 0
+        self.looks[kind] = 0
+        differ = ("the loss and gradients differ" if kind == "training" else
+                  "a logged mean such as a validation loss differs (NaN where a part has no valid target)")
         rank_zero_warn(
-            f"LLMParallelStrategy: a training batch has ignored targets ({IGNORE_INDEX}: padding or masked prompts)"
-            f" and this layout cuts every batch into {self.parts}, whose mean losses weigh the same under"
-            " loss_normalization='mean' (the default, as DDP does): the loss and gradients differ from one process's"
-            " mean over the batch's valid targets. Pass loss_normalization='tokens' for that mean (docs/layouts.md,"
-            " Padding and loss normalization)."
+            f"LLMParallelStrategy: a{'n' if kind == 'evaluation' else ''} {kind} batch has ignored targets"
+            f" ({IGNORE_INDEX}: padding or masked prompts) and this layout cuts every batch into {self.parts}, whose"
+            f" mean losses weigh the same under loss_normalization='mean' (the default, as DDP does): {differ} from"
+            " one process's mean over the batch's valid targets. Pass loss_normalization='tokens' for that mean"
+            " (docs/layouts.md, Padding and loss normalization)."
         )
