@@ -212,6 +212,12 @@ FULL: list[tuple[str, str]] = [
      "a sharded EMA resumed at ZeRO-3 (tp2's DTensor shards and pp2's stage-local state stay fast)"),
     ("tests/checkpointing/test_rank_state.py::test_an_averaged_model_of_the_tensor_parallel_model_averages_as_one_process",
      "torch's AveragedModel at tp2 against one process"),
+    ("tests/checkpointing/test_rank_state.py::test_another_pipeline_schedule_is_another_layout_for_stage_local_state",
+     "a pipeline schedule changed on resume (a changed layout is refused in the fast set)"),
+    ("tests/checkpointing/test_rank_state.py::test_trusted_checkpoints_holding_what_the_safe_loader_refuses_*",
+     "two runs for the trusted resume scan"),
+    ("tests/fault_tolerance/test_checkpoint_safety.py::test_planted_payload_never_runs_and_the_folder_is_skipped[[]rank_state0.pt]",
+     "a payload in a per-rank state file (the same check as compression_rank0.pt's, fast)"),
 ]
 
 

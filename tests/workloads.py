@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -263,7 +264,7 @@ def fit(
         gradient_clip_algorithm=clip_algorithm,
         detect_anomaly=anomaly,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

@@ -197,11 +197,11 @@ def commit_staging(staging: Path, path: Path, *, kind: str = "dcp", lineage: str
         remove_tree(old)
 
 
-def verdict(path: Path, kind: str | None = None) -> tuple[str | None, str | None]:
+def verdict(path: Path, kind: str | None = None, trusted: bool = False) -> tuple[str | None, str | None]:
     """(why ``path`` cannot be loaded (by a backend writing ``kind``) or None, a warning for a checkpoint without
     manifest or None), after finishing an interrupted commit of it."""
     recover(path)
-    return checkpoint_problem(path, kind), legacy_note(path)
+    return checkpoint_problem(path, kind, trusted), legacy_note(path)
 
 
 def replace_problem(path: Path) -> str | None:

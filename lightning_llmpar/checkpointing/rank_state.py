@@ -13,19 +13,20 @@ callbacks that read them; units differing only in values fall back to rank 0's, 
 
 from __future__ import annotations
 
+import io
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_llmpar.checkpointing.safe_read import safe_torch_load
-from lightning_llmpar.checkpointing.scan import META_FILE
 
-__all__ = ["RANK_STATE", "rank_state_file", "restore_rank_state", "split_rank_state", "write_rank_state"]
+__all__ = ["RANK_STATE", "holding", "rank_state_file", "restore_rank_state", "split_rank_state", "write_rank_state"]
 
 RANK_STATE = "llmpar_rank_state"  # meta's record of the units saved per rank, and the layout they were saved on
 _Key = tuple[str, ...]
@@ -55,9 +56,14 @@ def _signature(value: Any) -> tuple[str, int, bool]:
                 return
             v = v.to_local()
         if isinstance(v, torch.Tensor):
-            parts.append(f"{at}:{tuple(v.shape)}{v.dtype}")
-            raw = v.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            crc = zlib.crc32(raw.numpy().tobytes(), crc)
+            parts.append(f"{at}:{tuple(v.shape)}{v.dtype}{v.layout}")
+            if v.layout == torch.strided and not v.is_nested and v.device.type != "meta":
+                raw = v.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                crc = zlib.crc32(memoryview(raw.numpy()), crc)  # no copy of the bytes
+            else:  # sparse, nested, meta: what torch.save makes of them
+                buffer = io.BytesIO()
+                torch.save(v.detach(), buffer)
+                crc = zlib.crc32(buffer.getvalue(), crc)
         elif isinstance(v, Mapping):
             for k, item in v.items():
                 walk(item, f"{at}/{k!r}")
@@ -74,31 +80,51 @@ def _signature(value: Any) -> tuple[str, int, bool]:
 
 
 def split_rank_state(
-    meta: dict[str, Any], *, world_size: int, gather: Callable[[Any], list[Any]]
-) -> dict[_Key, Any] | None:
+    meta: dict[str, Any], *, world_size: int, gather: Callable[[Any], list[Any]], holding: str
+) -> dict[str, Any] | None:
     """Compare ``meta``'s units across ranks (``gather``: every rank's object, in rank order; a collective).
-    Records in ``meta`` which differ, with structure or only values, and returns this rank's copies of them
-    (None when every rank holds the same: nothing but rank 0's ``meta.pt`` is written)."""
+    Records in ``meta`` which differ, with structure or only values, and returns what this rank writes: its copies
+    of them and ``holding`` (which parts of the model it holds, see :func:`holding`). None when every rank holds
+    the same: nothing but rank 0's ``meta.pt`` is written. A unit some ranks lack is rank 0's, as in Lightning
+    (``if trainer.is_global_zero: checkpoint["run_id"] = ...``), unless rank 0 lacks it (a pipeline stage's own).
+    Units differing in structure leave ``meta.pt``, which would only hold rank 0's copy twice."""
     units = _units(meta)
     everyone: list[dict[_Key, tuple[str, int, bool]]] = gather({k: _signature(v) for k, v in units.items()})
     keys = sorted({k for signatures in everyone for k in signatures})
     structure, values = [], []
     for key in keys:
-        seen = [signatures.get(key) for signatures in everyone]
-        if any(s is None or s[2] or s[0] != seen[0][0] for s in seen):  # type: ignore[index]
+        first, *seen = [signatures.get(key) for signatures in everyone]
+        seen = [s for s in seen if s is not None]
+        if first is None or first[2] or any(s[2] or s[0] != first[0] for s in seen):
             structure.append(list(key))
-        elif any(s[1] != seen[0][1] for s in seen):  # type: ignore[index]
+        elif any(s[1] != first[1] for s in seen):
             values.append(list(key))
     if not structure and not values:
         return None
     meta[RANK_STATE] = {"world_size": world_size, "layout": meta.get("llmpar_layout"), "structure": structure,
                         "values": values}
-    return {tuple(k): units[tuple(k)] for k in structure + values if tuple(k) in units}
+    if any(k[0] == "callbacks" for k in structure):
+        meta["callbacks"] = dict(meta["callbacks"])  # Lightning's own dict stays whole
+    for key in structure:
+        _drop(meta, tuple(key))
+    return {"holding": holding, "units": [[k, units[tuple(k)]] for k in structure + values if tuple(k) in units]}
 
 
-def write_rank_state(folder: Path, rank: int, own: Mapping[_Key, Any] | None) -> None:
+def holding(model: nn.Module) -> str:
+    """Which parts of ``model`` this rank holds, and how: its parameters' names, local shapes and placements. Two
+    runs whose ranks hold the same can exchange state that differs by rank; the layout's name alone does not say
+    so (a pipeline schedule or its split points change which blocks a rank holds)."""
+    parts = []
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        placed = p.placements if isinstance(p, DTensor) else ()
+        parts.append(f"{name}:{tuple(local.shape)}:{placed}:{local.device.type == 'meta'}")
+    return f"{zlib.crc32(chr(10).join(parts).encode()):08x}"
+
+
+def write_rank_state(folder: Path, rank: int, own: Mapping[str, Any] | None) -> None:
     if own is not None:  # every rank writes one, also without units of its own
-        torch.save({"units": [[list(k), v] for k, v in own.items()]}, folder / rank_state_file(rank))
+        torch.save(dict(own), folder / rank_state_file(rank))
 
 
 def _put(meta: dict[str, Any], key: _Key, value: Any) -> None:
@@ -141,7 +167,7 @@ def _on_mesh(value: Any, root: DeviceMesh) -> Any:
 
 def restore_rank_state(
     meta: dict[str, Any], folder: Path, *, rank: int, world_size: int, layout: str, attached: set[str],
-    mesh: DeviceMesh | None = None,
+    holds: str, agree: Callable[[bool], bool], mesh: DeviceMesh | None = None,
 ) -> str | None:
     """Put this rank's own units (see :func:`split_rank_state`) into ``meta``, loaded from ``folder``. On another
     layout: a ValueError for units differing in structure that a callback in ``attached`` (state keys) or the
@@ -150,27 +176,28 @@ def restore_rank_state(
     saved = meta.pop(RANK_STATE, None)
     if saved is None:
         return None
-    if saved["world_size"] == world_size and saved["layout"] == layout:
-        file = folder / rank_state_file(rank)
-        if not file.is_file():
-            raise ValueError(f"Checkpoint {folder} is missing {file.name}, which its {META_FILE} says was written.")
-        mine = safe_torch_load(file, map_location="cpu")["units"]
+    file = folder / rank_state_file(rank)
+    mine = None
+    if saved["world_size"] == world_size and saved["layout"] == layout and file.is_file():
+        mine = safe_torch_load(file, map_location="cpu")
+    if agree(mine is not None and mine["holding"] == holds):  # every rank holds what it held when saving
         for key in saved["structure"] + saved["values"]:  # rank 0's copies; a unit this rank lacked stays out
             _drop(meta, tuple(key))
-        for key, value in mine:
+        for key, value in mine["units"]:  # type: ignore[index]
             _put(meta, tuple(key), value if mesh is None else _on_mesh(value, mesh))
         return None
     read = [k for k in saved["structure"] if k[0] != "callbacks" or k[1] in attached]
     if read:
+        now = (f"{layout} ({world_size} processes)" if saved["layout"] != layout or saved["world_size"] != world_size
+               else f"{layout} too, but its ranks hold other parts of the model (another pipeline schedule, number"
+               " of virtual stages or split)")
         raise ValueError(
             f"Checkpoint {folder} was saved on layout {saved['layout']} ({saved['world_size']} processes) and holds"
             f" state that differs by rank in its structure (sharded tensors, or a pipeline stage's own entries):"
-            f" {', '.join(_name(k) for k in read)}. This run is {layout} ({world_size} processes), where those"
-            " shards have no place. Resume on the saved layout; to change layouts, save that state whole (e.g."
-            " DTensor.full_tensor() gathered to every stage) or leave the callback out of the resumed run."
+            f" {', '.join(_name(k) for k in read)}. This run is {now}, where those shards have no place. Resume as"
+            " it was saved; to change layouts, save that state whole (e.g. DTensor.full_tensor() gathered to every"
+            " stage) or leave the callback out of the resumed run."
         )
-    for key in saved["structure"]:  # read by nobody in this run
-        _drop(meta, tuple(key))
     if saved["values"]:
         return (f"Checkpoint {folder} holds state that differs by rank in its values, saved on layout"
                 f" {saved['layout']}: {', '.join(_name(k) for k in saved['values'])}. On this layout ({layout}) every"

@@ -30,9 +30,11 @@ def legacy_note(path: Path) -> str | None:
 _BACKEND = {"dcp": "fsdp2", "deepspeed": "deepspeed"}  # the sharding backend that writes each checkpoint kind
 
 
-def checkpoint_problem(path: Path, kind: str | None = None) -> str | None:
+def checkpoint_problem(path: Path, kind: str | None = None, trusted: bool = False) -> str | None:
     """Why ``path`` cannot be resumed from (which file, expected vs found), or None if it is complete and intact;
-    with ``kind`` (a sharding backend's ``checkpoint_kind``), also when that backend did not write it."""
+    with ``kind`` (a sharding backend's ``checkpoint_kind``), also when that backend did not write it. ``trusted``
+    (``checkpoint_weights_only=False``): its small files may hold what torch's safe loader refuses (a numpy array
+    in a callback's state), which the load will unpickle; they are checked for corruption only."""
     path = Path(path).expanduser()
     if not path.exists():
         return "it does not exist"
@@ -70,8 +72,7 @@ def checkpoint_problem(path: Path, kind: str | None = None) -> str | None:
             bad = archive.testzip()
         if bad is not None:
             return f"{META_FILE} is corrupt ({bad})"
-        safe_torch_load(path / META_FILE, map_location="cpu")
-        for extra in sorted([*path.glob("compression_rank*.pt"), *path.glob("rank_state*.pt")]):
+        for extra in [] if trusted else [path / META_FILE, *path.glob("compression_rank*.pt"), *path.glob("rank_state*.pt")]:
             safe_torch_load(extra, map_location="cpu", mmap=True)
     except UnsafeCheckpointError as err:
         return f"not a checkpoint ({err})"

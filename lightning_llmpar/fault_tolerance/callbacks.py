@@ -58,7 +58,7 @@ def recover_folder(folder: Path, names: re.Pattern[str]) -> list[Path]:
     return restored
 
 
-def newest_complete_checkpoint(folder: Path, kind: str | None = None) -> Path | None:
+def newest_complete_checkpoint(folder: Path, kind: str | None = None, trusted: bool = False) -> Path | None:
     """The highest-step checkpoint in ``folder`` that passes :func:`checkpoint_problem` (written by a backend of
     checkpoint ``kind`` when given); warns about the others.
 
@@ -70,7 +70,7 @@ def newest_complete_checkpoint(folder: Path, kind: str | None = None) -> Path | 
     recover_folder(folder, _OWN_NAMES)
     skipped = []
     for path in sorted((p for p in folder.iterdir() if p.name.endswith(".ckpt")), key=_step_of, reverse=True):
-        problem = checkpoint_problem(path, kind)
+        problem = checkpoint_problem(path, kind, trusted)
         if problem is None:
             if skipped:
                 rank_zero_warn(f"Resuming from {path}, the newest complete checkpoint: newer ones were skipped ({', '.join(skipped)}).")
@@ -146,7 +146,9 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
             )
 
     def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
-        newest = newest_complete_checkpoint(Path(self.dirpath or ""), getattr(trainer.strategy, "checkpoint_kind", None))
+        strategy = trainer.strategy  # checkpoint_weights_only=False: what the load will unpickle is trusted
+        trusted = getattr(getattr(strategy, "options", None), "checkpoint_weights_only", None) is False
+        newest = newest_complete_checkpoint(Path(self.dirpath or ""), getattr(strategy, "checkpoint_kind", None), trusted)
         return {str(newest)} if newest is not None else set()
 
     # -- data position (shared with DataPosition) -----------------------------------------------------

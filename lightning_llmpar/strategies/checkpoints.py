@@ -23,7 +23,7 @@ from typing_extensions import override
 from lightning_llmpar.checkpointing import dcp as ckpt
 from lightning_llmpar.checkpointing.async_save import AsyncSaveHooks
 from lightning_llmpar.checkpointing.manifest import LINEAGE_KEY, foreign_files, remove_owned
-from lightning_llmpar.checkpointing.rank_state import restore_rank_state, split_rank_state, write_rank_state
+from lightning_llmpar.checkpointing.rank_state import holding, restore_rank_state, split_rank_state, write_rank_state
 from lightning_llmpar.data_parallel.backend import ShardingBackend
 from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint, recover_folder
 from lightning_llmpar.fault_tolerance.diloco import OUTER_STATE
@@ -75,7 +75,7 @@ class CheckpointingStrategy(PreemptionHooks, AsyncSaveHooks, MeshStrategy):
         meta = {**{k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")},
                 "llmpar_layout": str(self.layout), "llmpar_optimizer_state": "optimizer_states" in checkpoint}
         # What differs by rank (a callback's sharded EMA, a stage's own tensors) is also written by every rank.
-        own = split_rank_state(meta, world_size=self.world_size, gather=self._gather_objects)
+        own = split_rank_state(meta, world_size=self.world_size, gather=self._gather_objects, holding=holding(self.model))
         kind, lineage, rank = self._backend.checkpoint_kind, checkpoint.get(LINEAGE_KEY), self.global_rank
 
         def state(staging: Path) -> dict[str, Any]:
@@ -96,17 +96,18 @@ class CheckpointingStrategy(PreemptionHooks, AsyncSaveHooks, MeshStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(Path(checkpoint_path).expanduser())))
-        verdict = ckpt.verdict(path, self.checkpoint_kind) if self.is_global_zero else (None, None)
+        trusted = self.options.checkpoint_weights_only if weights_only is None else weights_only
+        verdict = ckpt.verdict(path, self.checkpoint_kind, trusted is False) if self.is_global_zero else (None, None)
         problem, note = self.broadcast(verdict)  # all ranks alike
         if problem is not None:
             raise ValueError(f"Checkpoint {path} cannot be loaded: {problem}.")
         if note is not None:
             rank_zero_warn(note)
-        trusted = self.options.checkpoint_weights_only if weights_only is None else weights_only
         meta = self._backend.load_checkpoint(path, trusted)
         attached = {cb.state_key for cb in self.lightning_module.trainer.callbacks}
         note = restore_rank_state(meta, path, rank=self.global_rank, world_size=self.world_size,
-                                  layout=str(self.layout), attached=attached, mesh=self.device_mesh)
+                                  layout=str(self.layout), attached=attached, holds=holding(self.model),
+                                  agree=self.reduce_boolean_decision, mesh=self.device_mesh)
         if note is not None:
             rank_zero_warn(note)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING

@@ -95,7 +95,7 @@ def test_sharded_callback_state_on_another_layout_is_refused_for_the_callback_th
     run_ranks(ema_fit, 2, {"tensor_parallel": 2}, 1, steps=-1, epochs=1, save_to=path)
     errors = run_ranks(resume_error, 2, {"zero_stage": 3}, 2, path, True)
     assert all(e is not None and "ValueError" in e and "callback EMA" in e for e in errors), errors
-    assert "Resume on the saved layout" in errors[0], errors[0]
+    assert "Resume as it was saved" in errors[0], errors[0]
     # Without the callback nobody reads that state: the run resumes.
     assert run_ranks(resume_error, 2, {"zero_stage": 3}, 2, path, False) == [None, None]
 
@@ -132,3 +132,79 @@ def test_an_averaged_model_of_the_tensor_parallel_model_averages_as_one_process(
     for ema in run_ranks(averaged_fit, 2, {"tensor_parallel": 2}, 1):
         assert ema.keys() == one.keys()
         assert max(float((ema[n] - one[n]).abs().max()) for n in one) < 1e-5
+
+
+class RunId(Callback):
+    """Lightning's own patterns: an entry only rank 0 adds (a logger's run id), and a sparse tensor in a state."""
+
+    def __init__(self) -> None:
+        self.histogram = torch.sparse_coo_tensor([[0, 3]], [1.0, 2.0], (8,))
+        self.loaded: list[Any] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"histogram": self.histogram}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded.append(float(state["histogram"].to_dense().sum()))
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        if trainer.is_global_zero:
+            checkpoint["run_id"] = "run-1"
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        self.loaded.append(checkpoint["run_id"])
+
+
+def run_id_fit(kwargs: dict[str, Any], dp: int, **fit_kwargs: Any) -> list[Any]:
+    run_id = RunId()
+    fit("gpt", kwargs, sgd=True, batch_size=GLOBAL_BATCH // dp, samples=SAMPLES, callbacks_extra=[run_id], **fit_kwargs)
+    return run_id.loaded
+
+
+def test_an_entry_only_rank_zero_adds_and_a_sparse_state_resume_on_every_rank(tmp_path: Path) -> None:
+    path = str(tmp_path / "epoch0.ckpt")
+    run_ranks(run_id_fit, 2, {"zero_stage": 3}, 2, steps=-1, epochs=1, save_to=path)
+    assert run_ranks(run_id_fit, 2, {"zero_stage": 3}, 2, steps=4, ckpt_path=path) == [["run-1", 3.0]] * 2
+
+
+def test_another_pipeline_schedule_is_another_layout_for_stage_local_state(tmp_path: Path) -> None:
+    # pp2 under 1F1B holds blocks 0-1 on rank 0; interleaved, blocks 0 and 2: the saved EMAs are other blocks'.
+    path = str(tmp_path / "epoch0.ckpt")
+    run_ranks(ema_fit, 2, {"pipeline_parallel": 2, "pipeline_schedule": "1F1B"}, 1, steps=-1, epochs=1, save_to=path)
+    errors = run_ranks(resume_error, 2, {"pipeline_parallel": 2}, 1, path, True)
+    assert all(e is not None and "callback EMA" in e and "other parts of the model" in e for e in errors), errors
+
+
+class NumpyState(Callback):
+    """A state torch's safe loader refuses (a numpy array): resumable only when the checkpoints are trusted."""
+
+    def __init__(self) -> None:
+        self.loaded: list[float] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        import numpy as np
+
+        return {"array": np.arange(4.0)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded.append(float(state["array"].sum()))
+
+
+def trusted_fit(folder: str, steps: int, resume: bool) -> tuple[list[float], list[str]]:
+    import warnings
+
+    from lightning_llmpar.fault_tolerance.callbacks import FaultTolerantCheckpoint
+
+    state = NumpyState()
+    ftc = FaultTolerantCheckpoint(dirpath=folder, every_n_train_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit("gpt", {"zero_stage": 3, "checkpoint_weights_only": False}, sgd=True, batch_size=8, samples=SAMPLES,
+            steps=steps, callbacks_extra=[ftc, state], ckpt_path="last" if resume else None)
+    return state.loaded, [str(w.message) for w in caught if "Skipping" in str(w.message)]
+
+
+def test_trusted_checkpoints_holding_what_the_safe_loader_refuses_are_found_by_the_resume_scan(tmp_path: Path) -> None:
+    # The scan read meta.pt with the safe loader whatever the trust: every checkpoint was skipped as "not a checkpoint".
+    run_ranks(trusted_fit, 2, str(tmp_path), 2, False)
+    assert run_ranks(trusted_fit, 2, str(tmp_path), 4, True) == [([6.0], [])] * 2
