@@ -79,13 +79,21 @@ class _StandIn(nn.Module):
                 " one process, trainer.save_checkpoint(path) then lightning_llmpar.export_consolidated(path, output)."
             )
         entered = getattr(self._blocks[0], "_llmpar_entered", False)
+        if entered and self.before_stack and isinstance(self._meta[0], nn.Embedding):
+            # An embedding after the blocks: the step calling the model again (an evaluation step's second forward,
+            # greedy decoding; a training step's is caught when planned).
+            raise ValueError(
+                f"Pipeline split: module '{self.name}', placed on the first stage as running before the block stack,"
+                " ran after the blocks had run: the step calls the model a second time (two inputs, or decoding"
+                " token by token). A pipeline runs one forward per microbatch: concatenate the inputs into one batch,"
+                " call the model once and split its output; decode with pipeline_parallel=1 or from an export. If"
+                " instead the forward itself uses it after its blocks, see docs/model-convention.md."
+            )
         if not self.before_stack or entered:
             where = ("first", "before") if self.before_stack else ("last", "after")
-            # Entered blocks and a module from before the stack: the forward uses it after the blocks, or the step
-            # calls the model again (an evaluation step's second forward; a training step's is caught when planned).
             again = (" Or the step calls the model a second time (two inputs, two forwards): a pipeline runs one"
                      " forward per microbatch, so concatenate the inputs into one batch, call the model once and"
-                     " split its output.") if entered and self.before_stack else ""
+                     " split its output.") if entered else ""
             raise ValueError(
                 f"Pipeline split: module '{self.name}' was placed on the {where[0]} stage as running {where[1]} the"
                 f" block stack, but the model calls it {'after' if entered else 'before'} its blocks (here, on a"
