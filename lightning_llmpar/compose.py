@@ -18,7 +18,8 @@ calls the two.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -42,6 +43,7 @@ from lightning_llmpar.pipeline.setup import build_pipeline
 from lightning_llmpar.strategies.options import StrategyOptions
 from lightning_llmpar.tensor_parallel import Packing
 from lightning_llmpar.training.documents import apply_document_masking, refuse_packed_padding
+from lightning_llmpar.training.ignore_index import IgnoreIndex
 from lightning_llmpar.training.loss_normalization import (
     PaddedMeanWarning,
     TokenNormalizer,
@@ -88,18 +90,29 @@ class Composed:
     hf_documents: bool = False  # transformers models whose forwards mask packed documents (training.documents)
     checkpointing: CheckpointPlan | None = None  # the activation checkpointing applied (None: none)
 
-    def see_batch(self, batch: Any) -> None:
-        """A training batch, before its step: the same on every rank of the replica (the first ones compared), its
-        valid targets counted (``loss_normalization='tokens'``; a pipeline's runner counts its own microbatches), or
-        its padding looked for (``'mean'``)."""
-        if self.hf_documents and isinstance(batch, dict):  # whole rows (a context-parallel forward sees a part)
-            refuse_packed_padding(batch.get("position_ids"), batch.get("attention_mask"))
-        if self.same_batch is not None:
-            self.same_batch.see(batch)
-        if self.tokens is not None and self.runner is None:
-            self.tokens.add(batch)
-        elif self.padded_mean is not None:
-            self.padded_mean.see(batch)
+    ignore: IgnoreIndex = field(default_factory=lambda: IgnoreIndex(torch.device("cpu"), looks=0))
+
+    @contextmanager
+    def step(self, method: str, batch: Any) -> Iterator[None]:
+        """Around a step on ``batch``. A training batch first: the same on every rank of the replica (the first
+        ones compared), its valid targets counted (``loss_normalization='tokens'``; a pipeline's runner counts its
+        own microbatches). During the first steps the loss's ignore index is read from its calls; then a training
+        batch is counted again if that index was learned only now, and a batch's padding looked for (``'mean'``)."""
+        training = method == "training_step"
+        if training:
+            if self.hf_documents and isinstance(batch, dict):  # whole rows (a context-parallel forward sees a part)
+                refuse_packed_padding(batch.get("position_ids"), batch.get("attention_mask"))
+            if self.same_batch is not None:
+                self.same_batch.see(batch)
+            if self.tokens is not None and self.runner is None:
+                self.tokens.add(batch)
+        before = self.ignore.value
+        with self.ignore.watch(training):
+            yield
+        if training and self.ignore.value != before and self.tokens is not None and self.runner is None:
+            self.tokens.recount(batch)
+        if self.padded_mean is not None and method != "predict_step":
+            self.padded_mean.see(batch, "training" if training else "evaluation", self.ignore.value)
 
     def aliases(self) -> dict[str, str]:
         """Copies of tied weights on pipeline stages: local name -> the name one process gives the weight."""
@@ -172,10 +185,14 @@ def compose(module: nn.Module, ctx: SetupContext) -> Composed:
         ctx.precision.convert_before_parallelism(module)
     done = Composed(layout, parallel_config(options, ctx.precision), hf_documents=hf_documents,
                     checkpointing=_checkpoint_plan(ctx))
+    default_count = options.count_tokens is count_target_tokens
+    if default_count or options.count_tokens is None or layout.cp > 1:  # something counts the loss's targets
+        done.ignore = IgnoreIndex(ctx.device)
     if options.count_tokens is not None:
         # Context-parallel ranks count the same whole batch (each weighs its own part, see context_parallel).
-        # The default counter counts labels as the model's loss does (shifted for a causal LM, all for T5 or BERT).
-        count = label_counter(module) if options.count_tokens is count_target_tokens else options.count_tokens
+        # The default counter counts labels as the model's loss does (shifted for a causal LM, all for T5 or BERT)
+        # and skips those its loss ignores.
+        count = label_counter(module, done.ignore) if default_count else options.count_tokens
         done.tokens = TokenNormalizer(count, layout.tp * layout.cp, layout.dp, ctx.device)
     else:
         microbatches = options.pipeline.microbatches if layout.pp > 1 else 1
@@ -188,6 +205,7 @@ def compose(module: nn.Module, ctx: SetupContext) -> Composed:
         done.same_batch = SameBatchCheck(replica, ctx.device, {"num_replicas": data.size(), "rank": data.get_local_rank()})
     if layout.cp > 1:
         done.context_parallel = apply_context_parallel(module, mesh["cp"], options.context_parallel_mode)
+        done.context_parallel.ignore_index = done.ignore.noted
     stage_roots: list[nn.Module] = []
     if layout.pp > 1:
         policy = done.config.mp_policy

@@ -254,6 +254,39 @@ def test_padded_evaluation_under_the_default_mean_says_how_it_differs() -> None:
     assert not any("an evaluation batch" in w for w in outs[1]["warnings"])  # rank 0 only
 
 
+def test_a_loss_ignoring_the_pad_token_is_counted_as_it_ignores() -> None:
+    # A loss of one's own with ignore_index=0 over labels padded with the pad token: "tokens" counted every label
+    # that was not -100, the pads too, and silently trained as "mean" does (weights 1.1e-2 off at dp2 ZeRO-3);
+    # "mean" said nothing of the padding. The index is read from the loss's calls.
+    opts = {"padded": "pad_token", "steps": 3}
+    (ref,) = _cases(1, [("pad_token_loss", None, opts)])[0]
+    tokens = {"loss_normalization": "tokens"}
+    outs = _cases(2, [("pad_token_loss", {**tokens, "zero_stage": 3}, opts),
+                      ("pad_token_loss", {**tokens, "pipeline_parallel": 2}, opts),
+                      ("pad_token_loss", {**tokens, "tensor_parallel": 2, "loss_parallel": True},
+                       {**opts, "accumulate": 2, "batch": 4}),
+                      ("pad_token_loss", {"zero_stage": 3}, opts)])
+    for i, two in enumerate(outs[:3]):
+        _same_training(ref, two)
+        if i < 2:  # (under accumulation a micro-step logs its own half of the batch)
+            assert two[1]["metrics"][-1]["train_loss"] == pytest.approx(ref["metrics"][-1]["train_loss"], abs=1e-5)
+    said = [w for w in outs[3][0]["warnings"] if "ignored targets" in w]
+    assert len(said) == 1 and "(0, the loss's ignore_index" in said[0], outs[3][0]["warnings"]
+
+
+def test_transformers_item_count_in_the_batch_is_shared_by_pipeline_microbatches() -> None:
+    # A collate function that puts transformers' num_items_in_batch (the batch's valid targets) into the batch, as
+    # its Trainer computes it: every pipeline microbatch divided its sum by the whole batch's count (logged loss
+    # 1.04 against 4.15 at pp2, weights 0.10 off). Each now divides by its share, and equals one process.
+    opts = {"padded": "item_count", "steps": 3}
+    (ref,) = _cases(1, [("llama", None, opts)])[0]
+    outs = _cases(2, [("llama", {"pipeline_parallel": 2}, opts),
+                      ("llama", {"pipeline_parallel": 2, "loss_normalization": "tokens"}, opts)])
+    for two in outs:
+        _same_training(ref, two)
+        assert two[1]["metrics"][-1]["train_loss"] == pytest.approx(ref["metrics"][-1]["train_loss"], abs=1e-5)
+
+
 def test_labels_that_are_every_target_are_counted_whole_under_tokens() -> None:
     # T5's labels are its decoder's targets and BERT's masked-LM labels are every position's: "tokens" counted them
     # as a causal LM's, shifted by one (a sample fewer per row), and trained to other weights (1e-3 at dp2 ZeRO-3).

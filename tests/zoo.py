@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from lightning_llmpar.data import ordered_loader
 from tests.custom_models import ShiftedLM
@@ -287,13 +287,29 @@ class HFCausalLM(LightningModule):
         return torch.optim.AdamW(params, lr=1e-2)
 
 
+class PadTokenLoss(HFCausalLM):
+    """transformers' Llama with a loss of one's own that ignores the pad token (0, what its labels are padded
+    with), not -100."""
+
+    def __init__(self, name: str = "", **kwargs: Any) -> None:
+        super().__init__("llama", **kwargs)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=0)
+        self.log("train_loss", loss)
+        return loss
+
+
 class _Tokens(Dataset):
     """Random token windows; ``padded``: right-padded to SEQ from random lengths (labels -100, attention mask;
     ``"positions"``: also position_ids, the pads' counted from 0 again, as some collators write them; ``"ignored"``:
-    some samples' labels all -100); ``pairs``: (inputs, targets) from windows of SEQ + 1 tokens, as pretraining data comes, instead of dicts."""
+    some samples' labels all -100; ``"pad_token"``: labels padded with 0, the pad token; ``"item_count"``: batches
+    also carry transformers' ``num_items_in_batch``, their valid targets); ``pairs``: (inputs, targets) from windows of SEQ + 1 tokens, as pretraining data comes, instead of dicts."""
 
     def __init__(self, n: int, seed: int = 1234, padded: bool | str = False, pairs: bool = False) -> None:
         self.pad_positions = padded == "positions"
+        self.pad_label = padded == "pad_token"  # labels padded with the pad token (0), for a loss ignoring it
         # "ignored": samples whose labels are all ignored (a masked prompt), so that in the first global batch a
         # data-parallel rank (samples 0, 2, 4, 6) and a pipeline's first microbatches hold no valid target.
         self.ignored = {0, 1, 2, 3, 4, 6} if padded == "ignored" else set()
@@ -311,7 +327,7 @@ class _Tokens(Dataset):
         if self.lengths is None:
             return {"input_ids": self.ids[i], "labels": self.ids[i]}
         keep = torch.arange(SEQ) < self.lengths[i]
-        labels = torch.where(keep & (i not in self.ignored), self.ids[i], -100)
+        labels = torch.where(keep & (i not in self.ignored), self.ids[i], 0 if self.pad_label else -100)
         row = {"input_ids": torch.where(keep, self.ids[i], 0), "labels": labels, "attention_mask": keep.long()}
         if self.pad_positions:
             row["position_ids"] = torch.where(keep, torch.arange(SEQ), torch.arange(SEQ) - self.lengths[i])
@@ -324,9 +340,20 @@ class DictTokenData(LightningDataModule):
     def __init__(self, batch_size: int, n: int = SAMPLES, padded: bool | str = False, pairs: bool = False) -> None:
         super().__init__()
         self.data, self.batch_size = _Tokens(n, padded=padded, pairs=pairs), batch_size
+        self.item_count = padded == "item_count"
 
     def train_dataloader(self) -> DataLoader:
-        return ordered_loader(self.data, self.batch_size, self.trainer.strategy, drop_last=True)
+        loader = ordered_loader(self.data, self.batch_size, self.trainer.strategy, drop_last=True)
+        if self.item_count:
+            loader.collate_fn = _with_item_count
+        return loader
+
+
+def _with_item_count(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A collate function that counts the batch's valid targets, as transformers' Trainer does for its loss."""
+    batch = default_collate(rows)
+    batch["num_items_in_batch"] = (batch["labels"][:, 1:] != -100).sum()
+    return batch
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -468,7 +495,7 @@ def fit_case(
     with trainer.init_module(empty_init=meta) if inside else nullcontext():
         from tests.custom_models import CUSTOM
 
-        cls = LitGPTModule if name in LITGPT else CUSTOM.get(name, HFCausalLM)
+        cls = LitGPTModule if name in LITGPT else PadTokenLoss if name == "pad_token_loss" else CUSTOM.get(name, HFCausalLM)
         extra = {"manual_clip": clip} if manual else {}  # the step clips by itself (Lightning refuses gradient_clip_val)
         module = cls(name, sgd=sgd, frozen=frozen, dropout=dropout, **extra)
     total = sum(p.numel() for p in module.parameters())

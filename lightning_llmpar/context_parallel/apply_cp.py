@@ -58,6 +58,8 @@ class ContextParallel:
         self.shard: SequenceShard | None = None
         self.loss_weight = 1.0
         self.no_local_targets = False
+        self.ignore_index: Callable[[], int] = lambda: IGNORE_INDEX  # the loss's (see training.ignore_index)
+        self._counted_with = IGNORE_INDEX
         self.attention_calls = 0
         self.checked = False
         self._sdpa = F.scaled_dot_product_attention
@@ -123,15 +125,27 @@ class ContextParallel:
         batch, self.shard = shard_batch(batch, self.cp, self.rank, self.mode)
         self.loss_weight, self.no_local_targets = 1.0, False
         if self.shard is not None and self.shard.targets is not None:
-            # Each cp rank's loss is a mean over its own valid targets; weighing it by cp x (its count / all
-            # ranks' count) makes the average that FSDP takes over cp the mean over every target of the sequences.
-            counts = torch.tensor([float((self.shard.targets != IGNORE_INDEX).sum())], dtype=torch.float64,
-                                  device=self.shard.targets.device)
-            local = float(counts)
-            self.no_local_targets = local == 0
-            dist.all_reduce(counts, group=self.mesh.get_group())
-            self.loss_weight = self.cp * local / float(counts) if float(counts) > 0 else 0.0
+            self._weigh()
         return batch
+
+    def weight(self) -> float:
+        """This rank's loss weight; counted again where the step's loss told another ignore index (the first
+        steps, training.ignore_index) after ``begin_step`` counted (every cp rank runs the same loss calls)."""
+        if self.shard is not None and self.shard.targets is not None and self.ignore_index() != self._counted_with:
+            self._weigh()
+        return self.loss_weight
+
+    def _weigh(self) -> None:
+        # Each cp rank's loss is a mean over its own valid targets; weighing it by cp x (its count / all
+        # ranks' count) makes the average that FSDP takes over cp the mean over every target of the sequences.
+        assert self.shard is not None and self.shard.targets is not None
+        self._counted_with = self.ignore_index()
+        counts = torch.tensor([float((self.shard.targets != self._counted_with).sum())], dtype=torch.float64,
+                              device=self.shard.targets.device)
+        local = float(counts)
+        self.no_local_targets = local == 0
+        dist.all_reduce(counts, group=self.mesh.get_group())
+        self.loss_weight = self.cp * local / float(counts) if float(counts) > 0 else 0.0
 
     def end_forward(self, step: str) -> None:
         """After the first training step's forward: the model really ran through context-parallel attention."""

@@ -224,7 +224,7 @@ class FSDP2Backend(ShardingBackend):
             if composed.tokens is not None:  # weigh the mean loss by its tokens; the step divides by their total
                 loss = loss * composed.tokens.step_tokens
             if composed.context_parallel is not None and composed.context_parallel.active:
-                loss = loss * composed.context_parallel.loss_weight
+                loss = loss * composed.context_parallel.weight()
             if not s.lightning_module.automatic_optimization:
                 prepare_manual_backward(s.model, loss)  # the backward runs inside the step (see data_parallel.replicate)
             return super().backward(loss, optimizer, *args, **kwargs)

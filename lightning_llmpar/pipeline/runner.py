@@ -28,7 +28,7 @@ from lightning_llmpar.modeling.ties import TiedCopies
 from lightning_llmpar.pipeline.logs import eval_tokens, merge_outputs, summarize_logs
 from lightning_llmpar.pipeline.split import BATCH_KWARG, StageModule, stage_program
 from lightning_llmpar.pipeline.stages import StageLayout, bubble_fraction, build_schedule
-from lightning_llmpar.training.batches import batch_rows, batch_size, batch_tensors
+from lightning_llmpar.training.batches import batch_rows, batch_size, batch_tensors, share_item_count
 from lightning_llmpar.training.logged_loss import LoggedCall, captured_logs, token_sum
 from lightning_llmpar.training.loss_normalization import TokenNormalizer
 from lightning_llmpar.training.quiet import frozen_metrics, synced_only
@@ -235,7 +235,7 @@ class PipelineRunner:
         # Shape inference may run on placeholders (meta, zeros): any microbatch gives the shapes.
         n = min(max(int(microbatch[0]), 0), self._n_mb - 1) if microbatch.device.type != "meta" else 0
         rows = self._size // self._n_mb
-        batch = batch_rows(self._batch, n * rows, (n + 1) * rows, self._size)
+        batch = share_item_count(batch_rows(self._batch, n * rows, (n + 1) * rows, self._size), self._n_mb, self.tokens)
         # Modules before the stack run as stand-ins on every stage but the first (they only give shapes; the
         # stage's input replaces their output). Those after it are stand-ins already on ranks without the last.
         stand_ins = {name: stand_in for name, (_, stand_in) in self._swaps.items()} if stage != 0 else {}
@@ -259,7 +259,7 @@ class PipelineRunner:
         if cp is not None:
             # This microbatch's share of the cp group's targets; the step's result is the weighted loss (its mean
             # over the cp ranks is one process's).
-            loss = loss * cp.loss_weight
+            loss = loss * cp.weight()
             out = {**out, "loss": loss} if isinstance(out, dict) else loss
         if not self._inferring:
             self._outputs.append(out)

@@ -292,8 +292,6 @@ class LLMParallelStrategy(CheckpointingStrategy):
         # Last step's gradients, which Lightning discards after the step, released first (DeepSpeed keeps its own).
         if method == "training_step" and self.engine is None and zero_grad_follows(trainer):
             release_unread_grads(trainer)
-        if method == "training_step" and self._composed is not None:
-            self._composed.see_batch(args[0] if args else next(iter(kwargs.values())))
         if self._runner is None:
             if self.context_parallel is not None:
                 training = method == "training_step" and not self.checking_pipeline_split
@@ -307,6 +305,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with (
+            self.step_context("training_step", args, kwargs),  # outermost: modes the step opens close first
             self.precision_plugin.train_step_context(),
             captured_logs(self.lightning_module) as logged, step_returns(self.lightning_module, "training_step") as returned,
             split_logits(self.loss_parallel_heads) as done,
@@ -321,12 +320,12 @@ class LLMParallelStrategy(CheckpointingStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context(), self.evaluation_logs(args):
+        with self.precision_plugin.val_step_context(), self.evaluation_logs("validation_step", args, kwargs):
             return self._step("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context(), self.evaluation_logs(args):
+        with self.precision_plugin.test_step_context(), self.evaluation_logs("test_step", args, kwargs):
             return self._step("test_step", *args, **kwargs)
 
     @override

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -194,12 +196,20 @@ class MeshStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group if group is not None else self._log_group, reduce_op=reduce_op)
         return tensor
 
-    def evaluation_logs(self, args: tuple) -> Any:
-        """Around an evaluation step: its synced means token-weighted over the data-parallel ranks (training.eval_logs)."""
+    def step_context(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Around a step: what the set-up does before and after it (``Composed.step``: batch checks, token counts)."""
+        composed = getattr(self, "_composed", None)
+        batch = args[0] if args else next(iter(kwargs.values()), None)
+        return composed.step(method, batch) if composed is not None else nullcontext()
+
+    @contextmanager
+    def evaluation_logs(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Iterator[None]:
+        """Around an evaluation step: its synced means token-weighted over the data-parallel ranks (training.eval_logs),
+        counted after the step's own context (the ignore index its loss told)."""
         batch, composed = args[0] if args else None, getattr(self, "_composed", None)
-        if composed is not None and composed.padded_mean is not None and batch is not None:
-            composed.padded_mean.see(batch, "evaluation")
-        return evaluation_logs(self.lightning_module, composed, batch, self._log_group, self.root_device)
+        with (evaluation_logs(self.lightning_module, composed, batch, self._log_group, self.root_device),
+              self.step_context(method, args, kwargs)):
+            yield
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -41,6 +41,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_llmpar.tensor_parallel.styles import SplitLinear, require_all
+from lightning_llmpar.training.ignore_index import note_loss_call
 
 __all__ = ["LossParallel", "VocabParallelHead", "split_logits"]
 
@@ -187,6 +188,7 @@ def _parallel_cross_entropy(args: tuple, kwargs: dict) -> Tensor | None:
             or isinstance(weight, DTensor) or a["reduction"] not in ("mean", "sum", "none")):
         return None
     _check_targets(target, x.shape[class_dim], a["ignore_index"])
+    note_loss_call(target, a["ignore_index"])  # what the step's token counts skip (training.ignore_index)
     if torch.is_grad_enabled() and x.requires_grad:
         loss = _ParallelCrossEntropy.apply(x, target, weight, a["ignore_index"], a["reduction"])
     else:

@@ -6,10 +6,13 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
-__all__ = ["batch_rows", "batch_size", "batch_tensors", "batch_tokens", "first_tensor", "same_sequence",
-           "train_batch_sizes"]
+__all__ = ["ITEM_COUNT", "batch_rows", "batch_size", "batch_tensors", "batch_tokens", "first_tensor", "same_sequence",
+           "share_item_count", "train_batch_sizes"]
+
+ITEM_COUNT = "num_items_in_batch"  # transformers' batch-wide count of valid targets, which its loss divides a sum by
 
 
 def first_tensor(batch: Any) -> Tensor | None:
@@ -58,6 +61,21 @@ def batch_rows(batch: Any, start: int, stop: int, size: int) -> Any:
     if fields is not None:
         return dataclasses.replace(batch, **{k: batch_rows(v, start, stop, size) for k, v in fields.items()})
     return batch
+
+
+def share_item_count(rows: Any, parts: int, tokens: Any) -> Any:
+    """A microbatch (one of ``parts``) of a dict batch that carries transformers' ``num_items_in_batch``, with the
+    count its loss must divide its sum by for the step to be one process's: the batch's count over ``parts``
+    (the microbatches' losses are averaged), or where tokens are counted (``tokens``, a ``TokenNormalizer``) the
+    microbatch's own, at least 1 (its mean, weighed by its tokens). Whole, every part would divide by the batch's."""
+    if not isinstance(rows, Mapping) or ITEM_COUNT not in rows:
+        return rows
+    whole = rows[ITEM_COUNT]
+    share = max(int(tokens.count(rows)), 1) if tokens is not None else whole / parts
+    if isinstance(whole, Tensor):
+        share = torch.as_tensor(share, dtype=torch.float32, device=whole.device)
+    shared = {**rows, ITEM_COUNT: share}
+    return shared if type(rows) is dict else _rebuilt(rows, shared)
 
 
 def same_sequence(like: list | tuple, items: list[Any]) -> Any:

@@ -10,7 +10,6 @@ microbatches, accumulation steps and data-parallel ranks (one all-reduce) before
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import Any
 
 import torch
@@ -18,11 +17,10 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
+from lightning_llmpar.training.ignore_index import IGNORE_INDEX, IgnoreIndex
+
 __all__ = ["PaddedMeanWarning", "TokenNormalizer", "batch_targets", "count_target_tokens", "label_counter",
            "model_shifts_labels"]
-
-IGNORE_INDEX = -100
-
 
 def batch_targets(batch: Any, shifted: bool = True) -> Tensor | None:
     """A dict's ``labels`` (shifted by one as transformers' causal-LM loss does, where ``shifted``; a sample's
@@ -38,11 +36,11 @@ def batch_targets(batch: Any, shifted: bool = True) -> Tensor | None:
     return None
 
 
-def count_target_tokens(batch: Any, shifted: bool = True) -> int:
-    """Valid targets of a batch (see ``batch_targets``); ``-100`` marks ignored positions."""
+def count_target_tokens(batch: Any, shifted: bool = True, ignore_index: int = IGNORE_INDEX) -> int:
+    """Valid targets of a batch (see ``batch_targets``): those not equal to ``ignore_index``."""
     targets = batch_targets(batch, shifted)
     if targets is not None:
-        return int((targets != IGNORE_INDEX).sum())
+        return int((targets != ignore_index).sum())
     raise ValueError(
         f"loss_normalization='tokens' counts valid targets in a dict's 'labels' or 'targets' or the second element of a"
         f" tuple; this"
@@ -66,9 +64,15 @@ def model_shifts_labels(module: nn.Module) -> bool:
     return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
 
 
-def label_counter(module: nn.Module) -> Callable[[Any], int]:
-    """``count_target_tokens`` as ``module``'s loss counts its labels (see ``model_shifts_labels``)."""
-    return count_target_tokens if model_shifts_labels(module) else partial(count_target_tokens, shifted=False)
+def label_counter(module: nn.Module, ignore: IgnoreIndex) -> Callable[[Any], int]:
+    """``count_target_tokens`` as ``module``'s loss counts its labels (see ``model_shifts_labels``), skipping the
+    targets its loss ignores (``ignore``, read from the loss calls)."""
+    shifted = model_shifts_labels(module)
+
+    def count(batch: Any) -> int:
+        return count_target_tokens(batch, shifted, ignore.noted())
+
+    return count
 
 
 class TokenNormalizer:
@@ -84,6 +88,11 @@ class TokenNormalizer:
         self.tokens += n
         self.step_tokens = n
         return n
+
+    def recount(self, batch: Any) -> None:
+        """The last batch counted again (its step's loss told the ignore index only after the first count)."""
+        self.tokens -= self.step_tokens
+        self.add(batch)
 
     @torch.no_grad()
     def finish(self, params: Iterable[Tensor], accumulate: int) -> None:
@@ -117,19 +126,19 @@ class PaddedMeanWarning:
     def __init__(self, parts: str, looks: int = 8) -> None:
         self.parts, self.looks = parts, {"training": looks, "evaluation": looks}
 
-    def see(self, batch: Any, kind: str = "training") -> None:
+    def see(self, batch: Any, kind: str = "training", ignore_index: int = IGNORE_INDEX) -> None:
         if self.looks[kind] <= 0:
             return
         self.looks[kind] -= 1
         targets = batch_targets(batch)
-        if targets is None or not bool((targets == IGNORE_INDEX).any()):
+        if targets is None or not bool((targets == ignore_index).any()):
             return
         self.looks[kind] = 0
         differ = ("the loss and gradients differ" if kind == "training" else
                   "a logged mean such as a validation loss differs (NaN where a part has no valid target)")
         rank_zero_warn(
             f"LLMParallelStrategy: a{'n' if kind == 'evaluation' else ''} {kind} batch has ignored targets"
-            f" ({IGNORE_INDEX}: padding or masked prompts) and this layout cuts every batch into {self.parts}, whose"
+            f" ({ignore_index}, the loss's ignore_index: padding or masked prompts) and this layout cuts every batch into {self.parts}, whose"
             f" mean losses weigh the same under loss_normalization='mean' (the default, as DDP does): {differ} from"
             " one process's mean over the batch's valid targets. Pass loss_normalization='tokens' for that mean"
             " (docs/layouts.md, Padding and loss normalization)."
