@@ -170,12 +170,22 @@ def _partly_frozen() -> LightningModule:
     return module
 
 
+class _IgnoresToken0(GPTModule):
+    """A loss ignoring token 0 (a pad token), not -100: the random windows hold it here and there."""
+
+    def __init__(self) -> None:
+        super().__init__(**GPT_ARGS)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=0)
+
+
 MODELS = {"gpt": make_gpt, "llama": HFLlamaModule, "llama_tied": lambda: HFLlamaModule(tie=True), "llama_hooked": _HookedLlama,
           "gpt_extra": lambda: _ExtraParameter(True), "gpt_extra_lenient": lambda: _ExtraParameter(False),
           "gpt_partly_optimized": _PartlyOptimized, "gpt_steep": _SteepLoss, "gpt_positions_in_forward": _PositionsInForward,
           "gpt_positions_at_root": _PositionsAtRoot, "gpt_without_optimizer": _without_optimizer,
           "gpt_first_block_frozen": _first_block_frozen, "gpt_partly_frozen": _partly_frozen,
-          "gpt_vocab_48": lambda: GPTModule(**{**GPT_ARGS, "vocab_size": 48})}  # the data's ids reach 63
+          "gpt_vocab_48": lambda: GPTModule(**{**GPT_ARGS, "vocab_size": 48}), "gpt_ignores_0": _IgnoresToken0}  # the data's ids reach 63
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -104,6 +104,20 @@ def test_example_gpt_ring_with_checkpointing_and_validation() -> None:
         assert abs(outs[0]["val"][key] - value) < 1e-5, (key, outs[0]["val"][key], value)
 
 
+def test_a_loss_ignoring_another_index_weighs_each_rank_by_the_targets_it_keeps() -> None:
+    # Each cp rank's mean loss is weighed by its share of the valid targets: counted as not -100, a loss ignoring
+    # token 0 weighed the ranks wrongly and trained 1.3e-2 away from one process, silently.
+    from tests.workloads import fit
+
+    ref = run_ranks(fit, 1, "gpt_ignores_0", None, batch_size=16, steps=4, sgd=True)[0]
+    for out in run_ranks(fit, 2, "gpt_ignores_0", RING, batch_size=16, steps=4, sgd=True):
+        assert abs(out["logged"]["train/loss"] - ref["logged"]["train/loss"]) < 1e-5  # (each rank's step loss is its part's)
+        for name, grad in ref["grads"].items():
+            torch.testing.assert_close(out["grads"][name], grad, atol=1e-5, rtol=0, msg=f"grad {name}")
+        for name, param in ref["params"].items():
+            torch.testing.assert_close(out["params"][name], param, atol=1e-5, rtol=0, msg=f"param {name}")
+
+
 @pytest.mark.parametrize("model", ["gpt_positions_in_forward", "gpt_positions_at_root"])
 def test_a_lightning_module_whose_forward_takes_positions(model: str) -> None:
     """Lightning passes every step through the LightningModule's __call__, so a hook on its forward also sees the
