@@ -34,7 +34,7 @@ from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.strategies.checkpoints import CheckpointingStrategy
 from lightning_llmpar.strategies.options import BACKENDS, START_METHODS, validate_options
 from lightning_llmpar.tensor_parallel import Packing
-from lightning_llmpar.tensor_parallel.loss_parallel import LossParallel, split_logits
+from lightning_llmpar.tensor_parallel.loss_parallel import LossParallel, split_backward, split_logits
 from lightning_llmpar.training.batches import train_batch_sizes
 from lightning_llmpar.training.logged_loss import captured_logs, replay_logs, step_loss, step_returns, true_loss
 from lightning_llmpar.training.zero_grad import release_unread_grads, zero_grad_follows
@@ -308,7 +308,7 @@ class LLMParallelStrategy(CheckpointingStrategy):
             self.step_context("training_step", args, kwargs),  # outermost: modes the step opens close first
             self.precision_plugin.train_step_context(),
             captured_logs(self.lightning_module) as logged, step_returns(self.lightning_module, "training_step") as returned,
-            split_logits(self.loss_parallel_heads) as done,
+            split_logits(self.loss_parallel_heads, self.layout.tp) as done,
         ):
             output = done(self._step("training_step", *args, **kwargs))
         loss = step_loss(output, returned if self._runner is None else None)
@@ -335,7 +335,8 @@ class LLMParallelStrategy(CheckpointingStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        return self._backend.backward(closure_loss, optimizer, *args, **kwargs)
+        with split_backward(self.loss_parallel_heads, closure_loss):  # a reentrant checkpoint reruns on split logits
+            return self._backend.backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -43,7 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from lightning_llmpar.tensor_parallel.styles import SplitLinear, require_all
 from lightning_llmpar.training.ignore_index import note_loss_call
 
-__all__ = ["LossParallel", "VocabParallelHead", "split_logits"]
+__all__ = ["LossParallel", "VocabParallelHead", "split_backward", "split_logits"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class LossParallel:
         self.strict = strict
         self.active = False
         self._mode: _SplitLogitsMode | None = None
+        self._unrecorded = False  # the step ran ops on split logits without recording them (a reentrant checkpoint)
         self._warned = False
         # What the heads handed out split (for checks and benchmarks): steps, this rank's bytes of the last logits,
         # and the ops that needed them gathered.
@@ -81,6 +83,26 @@ class LossParallel:
                 if _get_current_function_mode() is not mode:
                     raise RuntimeError("loss parallelism: another torch function mode was left open inside the step")
                 mode.__exit__(None, None, None)
+
+    @contextmanager
+    def backward(self, loss: Tensor) -> Iterator[None]:
+        """The backward of ``loss``, where a reentrant checkpoint reruns its function (the cross-entropy of a chunk
+        of the split logits): the logits are watched again while it does. Not by this mode, off by then (the step
+        ended) or off while it handles ``backward()`` itself: by hooks on the checkpoints' nodes, which the engine
+        runs around the rerun."""
+        if not self._unrecorded or loss.grad_fn is None:
+            yield
+            return
+        self._unrecorded = False
+        pushed: list[_SplitLogitsMode] = []
+        for node in _reentrant_checkpoints(loss.grad_fn):
+            node.register_prehook(lambda _: pushed.append(_SplitLogitsMode(self).__enter__()))
+            node.register_hook(lambda *_: pushed.pop().__exit__(None, None, None))
+        try:
+            yield
+        finally:
+            while pushed:  # a rerun that raised
+                pushed.pop().__exit__(None, None, None)
 
     def watch(self, logits: DTensor) -> DTensor:
         setattr(logits, _VOCAB, logits.shape[-1])
@@ -112,13 +134,61 @@ class LossParallel:
 
 
 @contextmanager
-def split_logits(owner: LossParallel | None) -> Iterator[Callable[[Any], Any]]:
-    """A training step with ``owner``'s heads splitting their logits (see ``LossParallel.step``); none: as it is."""
+def split_logits(owner: LossParallel | None, tp: int) -> Iterator[Callable[[Any], Any]]:
+    """A training step with ``owner``'s heads splitting their logits (see ``LossParallel.step``); none: as it is.
+    Under tensor parallelism, a step reading a split weight directly is explained (see ``_split_weights_read``)."""
+    with _split_weights_read(tp):
+        if owner is None:
+            yield lambda output: output
+            return
+        with owner.step() as done:
+            yield done
+
+
+@contextmanager
+def split_backward(owner: LossParallel | None, loss: Tensor) -> Iterator[None]:
+    """The backward of ``loss`` with ``owner``'s split logits watched where it reruns code on them (see
+    ``LossParallel.backward``); none: as it is."""
     if owner is None:
-        yield lambda output: output
+        yield
         return
-    with owner.step() as done:
-        yield done
+    with owner.backward(loss):
+        yield
+
+
+@contextmanager
+def _split_weights_read(tp: int) -> Iterator[None]:
+    """A training step whose own code mixes a split parameter with plain tensors (DTensor names only the op) is told
+    why: it read a split module's weight, bypassing the module (a fused linear cross-entropy on the head's weight)."""
+    try:
+        yield
+    except RuntimeError as err:
+        if tp == 1 or "got mixed torch.Tensor and DTensor" not in str(err):
+            raise
+        raise ValueError(
+            f"tensor_parallel={tp}: the training step computes `{str(err).split(' got')[0]}` on a plain tensor and a"
+            " parameter that tensor parallelism splits over the ranks (a DTensor): its code reads a split module's"
+            " weight directly, e.g. `hidden @ lm_head.weight.T` for a fused linear cross-entropy, which bypasses the"
+            " module's own handling of its input and output. Call the module instead (`lm_head(hidden)`; with"
+            " loss_parallel its logits stay split over the vocabulary and the cross-entropy on them is parallel), or"
+            " keep the module whole with tp_plan={'<its name, e.g. model.lm_head>': 'replicate'} (and"
+            " loss_parallel='auto' or False)."
+        ) from err
+
+
+def _reentrant_checkpoints(root: Any) -> list[Any]:
+    """The reentrant checkpoints' nodes in ``root``'s graph."""
+    kind = torch.utils.checkpoint.CheckpointFunction._backward_cls  # type: ignore[attr-defined]
+    seen, todo, found = {root}, [root], []
+    while todo:
+        node = todo.pop()
+        if isinstance(node, kind):
+            found.append(node)
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return found
 
 
 def finish(output: Any) -> Any:
@@ -217,6 +287,22 @@ def _in_place(func: Any) -> bool:
     return name == "__setitem__" or (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
 
 
+def _scalars_replicated(tree: Any, mesh: DeviceMesh) -> Any:
+    """Plain one-element tensors that need a gradient (a learnable logit scale), replicated by ``from_local``.
+    DTensor replicates such a scalar implicitly, but then hands its gradient back as a partial DTensor (each rank's
+    sum over its part of the vocabulary), which the optimizer cannot apply to the plain parameter; ``from_local``'s
+    backward sums it over the ranks into a plain tensor, the one-process gradient."""
+    if not torch.is_grad_enabled():
+        return tree
+
+    def replicate(t: Any) -> Any:
+        if isinstance(t, Tensor) and not isinstance(t, DTensor) and t.requires_grad and t.numel() == 1:
+            return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return t
+
+    return tree_map(replicate, tree)
+
+
 class _SplitLogitsMode(TorchFunctionMode):
     """Watches every torch call on split logits until the step ends (see the module's docstring)."""
 
@@ -230,7 +316,18 @@ class _SplitLogitsMode(TorchFunctionMode):
         split = [a for a in flat if _is_split(a)]
         if not split:
             return func(*args, **kwargs)
+        return self._on_split(func, args, kwargs, split)
+
+    # Eager under torch.compile (a compiled loss function): dynamo would trace the cross-entropy without the global
+    # switch of DTensor's handlers that loss_parallel() is, and its aliasing of outputs (`float()` of fp32 logits)
+    # needs as_strided, which DTensor lacks. Calls without split logits above stay in the graph.
+    @torch.compiler.disable
+    def _on_split(self, func: Any, args: tuple, kwargs: dict, split: list[DTensor]) -> Any:
         vocab = getattr(split[0], _VOCAB)
+        if not torch.is_grad_enabled() and any(a.requires_grad for a in split):
+            self.owner._unrecorded = True  # a reentrant checkpoint's first run (or a metric under no_grad)
+        raw = args, kwargs  # for the whole logits: plain scalars mix with plain tensors
+        args, kwargs = _scalars_replicated(raw, split[0].device_mesh)
         if func is F.cross_entropy and _is_split(args[0] if args else kwargs.get("input")):
             loss = _parallel_cross_entropy(args, kwargs)
             if loss is not None:
@@ -247,7 +344,7 @@ class _SplitLogitsMode(TorchFunctionMode):
         try:
             out = func(*args, **kwargs)
         except Exception:  # noqa: BLE001 - DTensor has no rule for it, or it mixes DTensors with tensors: run it whole
-            return self._whole(func, args, kwargs)
+            return self._whole(func, *raw)
         gathered = False
 
         def keep(t: Any) -> Any:

@@ -27,9 +27,15 @@ class _GPT(GPTModule):
     def __init__(self, extra: str = "") -> None:
         super().__init__(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
         self.extra = extra
+        if extra == "logit_scale":  # a learnable temperature on the logits
+            self.scale = torch.nn.Parameter(torch.tensor(1.3))
+        if extra == "compiled":
+            self.compiled_loss = torch.compile(_flat_cross_entropy, backend="aot_eager")
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         x, y = batch
+        if self.extra in _OTHER_LOSSES:
+            return _OTHER_LOSSES[self.extra](self, x, y)
         logits = self(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
         if self.extra == "accuracy":  # a metric on the logits: argmax over the vocabulary
@@ -45,6 +51,40 @@ class _GPT(GPTModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _flat_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def _chunks_checkpointed(module: _GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # The cross-entropy chunk by chunk, each recomputed in the backward (reentrant: after the step has ended).
+    from torch.utils.checkpoint import checkpoint
+
+    def summed(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum")
+
+    logits = module(x)
+    total = sum(checkpoint(summed, logits[:, s:s + 4], y[:, s:s + 4], use_reentrant=True) for s in range(0, SEQ, 4))
+    return total / y.numel()
+
+
+def _fused_linear(module: _GPT, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # Liger/CCE-style: the final hidden states times the head's weight, without calling the head.
+    model = module.model
+    hidden, cos, sin = model.tok_emb(x), model.rope_cos[:SEQ], model.rope_sin[:SEQ]
+    for layer in model.layers:
+        hidden = layer(hidden, cos, sin)
+    hidden = model.norm(hidden)
+    return F.cross_entropy((hidden @ model.lm_head.weight.T).reshape(-1, VOCAB), y.reshape(-1))
+
+
+_OTHER_LOSSES = {
+    "logit_scale": lambda m, x, y: F.cross_entropy((m(x) * m.scale).reshape(-1, VOCAB), y.reshape(-1)),
+    "checkpointed": _chunks_checkpointed,
+    "compiled": lambda m, x, y: m.compiled_loss(m(x), y),
+    "fused_linear": _fused_linear,
+}
 
 
 class _Data(LightningDataModule):
@@ -142,6 +182,33 @@ def test_example_gpt_loss_parallel_exact_and_other_uses_of_the_logits() -> None:
                              ("in_place", TP2, ["in place", "__setitem__", "loss_parallel=False"])]:
         errors = [o[(extra, repr(kw))].get("error", "") for o in outs]
         assert all(all(w in e for w in words) for e in errors), errors[0][-2000:]
+
+
+def test_logit_scale_reentrant_checkpoint_and_compiled_loss_exact_on_split_logits() -> None:
+    # A learnable scale times the split logits got a partial DTensor as its gradient (SGD failed on it); a reentrant
+    # checkpoint reran the cross-entropy after the step, unwatched (mixed DTensor and tensor); dynamo traced the
+    # parallel cross-entropy of a compiled loss function without torch's loss_parallel handlers.
+    extras = ["logit_scale", "checkpointed", "compiled"]
+    refs = run_ranks(_gpt_cases, 1, [(e, None) for e in extras])[0]
+    cases = [("logit_scale", TP2), ("logit_scale", STRICT), ("checkpointed", STRICT), ("compiled", STRICT)]
+    outs = run_ranks(_gpt_cases, 2, cases, timeout=600)
+    for extra, kwargs in cases:
+        runs = [o[(extra, repr(kwargs))] for o in outs]
+        assert_exact(refs[(extra, "None")], runs, sharded=False)
+        assert all(o["split_steps"] == 6 and not o["gathered"] and not o["warnings"] for o in runs), extra
+    assert "scale" in refs[("logit_scale", "None")]["grads"]
+
+
+def test_a_split_weight_read_by_the_step_is_explained_and_a_whole_head_is_exact() -> None:
+    # `hidden @ lm_head.weight.T` (a fused linear cross-entropy) mixed the split weight with a plain tensor and
+    # failed inside DTensor naming only `aten.mm`; with the head kept whole by tp_plan it is exact.
+    whole = {"tensor_parallel": 2, "tp_plan": {"model.lm_head": "replicate"}}
+    ref = run_ranks(_gpt_cases, 1, [("fused_linear", None)])[0][("fused_linear", "None")]
+    outs = run_ranks(_gpt_cases, 2, [("fused_linear", OFF), ("fused_linear", whole)], timeout=600)
+    errors = [o[("fused_linear", repr(OFF))].get("error", "") for o in outs]
+    words = ["ValueError: tensor_parallel=2", "aten.mm", "lm_head.weight.T", "lm_head(hidden)", "'replicate'"]
+    assert all(all(w in e for w in words) for e in errors), errors[0][-2000:]
+    assert_exact(ref, [o[("fused_linear", repr(whole))] for o in outs], sharded=False)
 
 
 # GPT-2: 65 tokens over 2 ranks; Gemma: embedding tied to the head; Mixtral with its router's auxiliary loss, which
