@@ -89,28 +89,26 @@ class Composed:
     same_batch: SameBatchCheck | None = None
     hf_documents: bool = False  # transformers models whose forwards mask packed documents (training.documents)
     checkpointing: CheckpointPlan | None = None  # the activation checkpointing applied (None: none)
-
     ignore: IgnoreIndex = field(default_factory=lambda: IgnoreIndex(torch.device("cpu"), looks=0))
 
     @contextmanager
     def step(self, method: str, batch: Any) -> Iterator[None]:
         """Around a step on ``batch``. A training batch first: the same on every rank of the replica (the first
         ones compared), its valid targets counted (``loss_normalization='tokens'``; a pipeline's runner counts its
-        own microbatches). During the first steps the loss's ignore index is read from its calls; then a training
-        batch is counted again if that index was learned only now, and a batch's padding looked for (``'mean'``)."""
+        own microbatches). During the first steps the loss's ignore index is read from its calls (the count is
+        settled by it when used); then a batch's padding is looked for (``'mean'``)."""
         training = method == "training_step"
         if training:
             if self.hf_documents and isinstance(batch, dict):  # whole rows (a context-parallel forward sees a part)
                 refuse_packed_padding(batch.get("position_ids"), batch.get("attention_mask"))
             if self.same_batch is not None:
                 self.same_batch.see(batch)
-            if self.tokens is not None and self.runner is None:
-                self.tokens.add(batch)
-        before = self.ignore.value
+            if self.tokens is not None:
+                self.tokens.begin_step()
+                if self.runner is None:  # (a pipeline's last stage counts each microbatch after its loss)
+                    self.tokens.add(batch)
         with self.ignore.watch(training):
             yield
-        if training and self.ignore.value != before and self.tokens is not None and self.runner is None:
-            self.tokens.recount(batch)
         if self.padded_mean is not None and method != "predict_step":
             self.padded_mean.see(batch, "training" if training else "evaluation", self.ignore.value)
 
@@ -193,7 +191,8 @@ def compose(module: nn.Module, ctx: SetupContext) -> Composed:
         # The default counter counts labels as the model's loss does (shifted for a causal LM, all for T5 or BERT)
         # and skips those its loss ignores.
         count = label_counter(module, done.ignore) if default_count else options.count_tokens
-        done.tokens = TokenNormalizer(count, layout.tp * layout.cp, layout.dp, ctx.device)
+        done.tokens = TokenNormalizer(count, layout.tp * layout.cp, layout.dp, ctx.device,
+                                      done.ignore.noted if default_count else None)
     else:
         microbatches = options.pipeline.microbatches if layout.pp > 1 else 1
         parts = [f"{n} {what}" for n, what in ((layout.dp, "data-parallel ranks"), (microbatches, "microbatches")) if n > 1]

@@ -264,11 +264,14 @@ class HFCausalLM(LightningModule):
                 if frozen == "lora_all" and "lora_B" in pname:
                     torch.nn.init.normal_(p, std=0.05)
 
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(**batch).loss
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.manual_clip is not None:
             optimizer = self.optimizers()
             optimizer.zero_grad()
-        loss = self.model(**batch).loss
+        loss = self.loss(batch)
         self.log("train_loss", loss)
         if self.manual_clip is not None:
             self.manual_backward(loss)
@@ -294,11 +297,9 @@ class PadTokenLoss(HFCausalLM):
     def __init__(self, name: str = "", **kwargs: Any) -> None:
         super().__init__("llama", **kwargs)
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=0)
-        self.log("train_loss", loss)
-        return loss
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=0)
 
 
 class _Tokens(Dataset):

@@ -200,6 +200,7 @@ class FSDP2Backend(ShardingBackend):
         device = s.root_device
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: float | int) -> None:
+            self.finish_tokens()
             skip = ties.duplicates() if ties is not None else ()
             params = list(precision.main_params(optimizer))
             clip_grad_norm_(params, float(clip_val), stage_group=stage_group, skip=skip, device=device)
@@ -207,6 +208,7 @@ class FSDP2Backend(ShardingBackend):
         def clip_grad_by_value(optimizer: Optimizer, clip_val: float | int) -> None:
             # One foreach clamp per kind of gradient: under tensor parallelism without FSDP the split weights'
             # are DTensors and the rest plain tensors, which torch's single foreach call refuses to mix.
+            self.finish_tokens()
             kinds: dict[Any, list[Tensor]] = {}
             for p in precision.main_params(optimizer):
                 if p.grad is not None:
@@ -222,7 +224,7 @@ class FSDP2Backend(ShardingBackend):
         assert composed is not None
         if self.runner is None:
             if composed.tokens is not None:  # weigh the mean loss by its tokens; the step divides by their total
-                loss = loss * composed.tokens.step_tokens
+                loss = loss * composed.tokens.settled()
             if composed.context_parallel is not None and composed.context_parallel.active:
                 loss = loss * composed.context_parallel.weight()
             if not s.lightning_module.automatic_optimization:
@@ -242,14 +244,12 @@ class FSDP2Backend(ShardingBackend):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         s, composed = self.strategy, self.composed
         assert composed is not None and self.ctx is not None
-        tokens = composed.tokens
-        if tokens is not None:
+        if composed.tokens is not None:
             step_closure = closure
-            accumulate = s.lightning_module.trainer.accumulate_grad_batches
 
             def closure() -> Any:  # after the last backward of the step, before clipping and the update
                 result = step_closure()
-                tokens.finish(s.precision_plugin.main_params(optimizer), accumulate)
+                self.finish_tokens()
                 return result
 
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -270,6 +270,15 @@ class FSDP2Backend(ShardingBackend):
             for name, value in experts.step_metrics(log_group(layout, self.ctx.mesh), layout.tp).items():
                 s.lightning_module.log(name, value, on_step=True, on_epoch=False, sync_dist=False)
         return output
+
+    def finish_tokens(self) -> None:
+        """Under loss_normalization='tokens', the step's gradients turned into the per-token mean, once: in the
+        optimizer step's closure, or first where a step optimized by hand clips before stepping (every optimizer's
+        parameters: one optimized by hand may step several)."""
+        s, tokens = self.strategy, self.composed.tokens if self.composed is not None else None
+        if tokens is not None:
+            params = {id(p): p for opt in s.optimizers for p in s.precision_plugin.main_params(opt)}
+            tokens.finish(params.values(), s.lightning_module.trainer.accumulate_grad_batches)
 
     def _raw_optimizers(self) -> list[Optimizer]:
         return [getattr(opt, "_optimizer", opt) for opt in self.strategy.optimizers]

@@ -134,7 +134,7 @@ def true_loss(layout: Any, runner: Any, cp: Any, counter: Any, loss: Tensor | No
         return None
     # Under pipeline parallelism the runner's loss carries the context-parallel weights and the token mean already.
     weight = cp.weight() if cp is not None and cp.active and runner is None else 1.0
-    tokens = 1.0 if counter is None else runner.step_tokens if runner is not None else counter.step_tokens
+    tokens = 1.0 if counter is None else runner.step_tokens if runner is not None else counter.settled()
     return global_loss(loss, weight, float(tokens), None)
 
 

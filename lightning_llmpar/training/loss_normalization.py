@@ -76,23 +76,38 @@ def label_counter(module: nn.Module, ignore: IgnoreIndex) -> Callable[[Any], int
 
 
 class TokenNormalizer:
-    """Counts the valid tokens behind each loss of a step and rescales the step's gradients by their total."""
+    """Counts the valid tokens behind each loss of a step and rescales the step's gradients by their total.
 
-    def __init__(self, count: Callable[[Any], int], tp: int, dp: int, device: torch.device) -> None:
+    ``index`` gives the ignore index the default counter skips: a training step may tell it only after its batch
+    was counted (its loss calls, training.ignore_index), so the step's count is settled when first used."""
+
+    def __init__(self, count: Callable[[Any], int], tp: int, dp: int, device: torch.device,
+                 index: Callable[[], int] | None = None) -> None:
         self.count, self.tp, self.dp, self.device = count, tp, dp, device
+        self.index = index or (lambda: IGNORE_INDEX)
         self.tokens = 0  # on this rank, since the last optimizer step, for losses this rank computed
         self.step_tokens = 1  # behind the loss of the micro-step in flight (its backward weighs the mean by it)
+        self._stepped = False  # the step's gradients were rescaled since the last count
+        self._batch: Any = None
+        self._counted_with = IGNORE_INDEX
 
     def add(self, batch: Any) -> int:
+        self._batch, self._counted_with = batch, self.index()
         n = int(self.count(batch))
         self.tokens += n
         self.step_tokens = n
         return n
 
-    def recount(self, batch: Any) -> None:
-        """The last batch counted again (its step's loss told the ignore index only after the first count)."""
-        self.tokens -= self.step_tokens
-        self.add(batch)
+    def begin_step(self) -> None:
+        """A training step starts: its gradients (with those of the steps it accumulates on) await rescaling."""
+        self._stepped = False
+
+    def settled(self) -> int:
+        """The last count, counted again if the loss has told another ignore index since (before its use)."""
+        if self._batch is not None and not self._stepped and self.index() != self._counted_with:
+            self.tokens -= self.step_tokens
+            self.add(self._batch)
+        return self.step_tokens
 
     @torch.no_grad()
     def finish(self, params: Iterable[Tensor], accumulate: int) -> None:
@@ -103,11 +118,14 @@ class TokenNormalizer:
         the sum over all tokens divided by N. Every tensor-parallel rank counted the same tokens, so the world
         sum is divided by tp.
         """
+        if self._stepped:  # once per step: where a step optimized by hand clips, and again at its optimizer step
+            return
+        self.settled()
         total = torch.tensor([float(self.tokens)], dtype=torch.float64, device=self.device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(total)
         tokens = float(total) / self.tp
-        self.tokens = 0
+        self.tokens, self._stepped, self._batch = 0, True, None
         if tokens <= 0:
             return
         factor = self.dp * accumulate / tokens
