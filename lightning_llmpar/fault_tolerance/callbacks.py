@@ -223,6 +223,12 @@ class StepGuard(Callback):
         return getattr(trainer.precision_plugin, "scaler", None)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        # The global batch's loss where the strategy has it: a rank whose part holds no valid target computes 0/0,
+        # a NaN its zero weight under loss_normalization='tokens' leaves out (one process's step is good).
+        whole = getattr(trainer.strategy, "batch_loss", None)
+        if isinstance(whole, torch.Tensor) and pl_module.automatic_optimization:  # (manual: backward inside the step)
+            self._loss = float(whole.detach().float())
+            return
         # With loss scaling (FP16) the hook sees the scaled loss; the guard judges the loss itself.
         scaler = self._scaler(trainer)
         scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0

@@ -296,7 +296,8 @@ class PrepareFirstInput(ParallelStyle):
             raise ValueError(
                 f"Sequence parallelism splits the sequence over tensor_parallel({mesh.size()}) ranks, but this"
                 f" batch has sequence length {tensor.shape[tensor.dim() - 2]}. Use lengths divisible by"
-                f" {mesh.size()}, or set sequence_parallel=False."
+                f" {mesh.size()} (pad on the right: pad_to_multiple_of={mesh.size()} in transformers' collators), or set"
+                " sequence_parallel=False."
             )
         if self.current == self.desired == Replicate() and not isinstance(tensor, DTensor):
             # Nothing to move: the region gets a plain view it may change in place (to_local's may not), and
