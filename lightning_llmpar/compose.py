@@ -34,6 +34,7 @@ from lightning_llmpar.checkpointing.litgpt_checkpoint import load_litgpt_checkpo
 from lightning_llmpar.context_parallel import ContextParallel, apply_context_parallel
 from lightning_llmpar.data_parallel.compression.hooks import GradientCompression, apply_gradient_compression
 from lightning_llmpar.layout import ParallelLayout
+from lightning_llmpar.modeling.hidden_states import apply_hidden_states_gather
 from lightning_llmpar.modeling.materialize import materialize
 from lightning_llmpar.modeling.structure import mark_block_stack
 from lightning_llmpar.modeling.ties import find_tied_weights
@@ -216,6 +217,8 @@ def compose(module: nn.Module, ctx: SetupContext) -> Composed:
         done.runner.context_parallel = done.context_parallel
         done.runner.scale_loss = getattr(ctx.precision, "scale_loss", None)
     done.parallelized = parallelize(module, layout, mesh, done.config, stage_roots, ctx.checkpointing)
+    if layout.tp > 1 and done.config.sequence_parallel:  # transformers' output_hidden_states (modeling.hidden_states)
+        apply_hidden_states_gather(module, mesh["tp"])
     if done.config.gradient_compression is not None:
         done.compression = apply_gradient_compression(
             done.parallelized.dp_roots, mesh, layout, done.config.gradient_compression

@@ -291,6 +291,29 @@ def test_transformers_item_count_in_the_batch_is_shared_by_pipeline_microbatches
         assert two[1]["metrics"][-1]["train_loss"] == pytest.approx(ref["metrics"][-1]["train_loss"], abs=1e-5)
 
 
+def test_a_term_on_an_intermediate_hidden_state_is_exact_or_refused() -> None:
+    # output_hidden_states=True under sequence parallelism recorded each rank's part of the sequence for every block
+    # (weights 6.3e-4 off one process); under pipeline parallelism the last stage's hidden_states[1] was its first
+    # own block's input. The term reads hidden_states[2], the input of the last stage's first block (1F1B, 4 layers).
+    opts = {"steps": 3}
+    (ref,) = _cases(1, [("hidden_states_loss", None, opts)])[0]
+    sp, pp = {"tensor_parallel": 2}, {"pipeline_parallel": 2, "pipeline_schedule": "1F1B"}
+    (checkpointed,) = _cases(1, [("reentrant_checkpointing", None, opts)])[0]
+    outs = _cases(2, [("hidden_states_loss", sp, opts), ("hidden_states_loss", pp, opts),
+                      # transformers' own gradient checkpointing, reentrant: a stage's backward(inputs=...) failed
+                      ("reentrant_checkpointing", pp, opts)])
+    for reference, two in zip([ref, ref, checkpointed], outs):
+        _same_training(reference, two)
+    # Earlier stages' states are not there: reading one says so.
+    from lightning_llmpar.modeling.hidden_states import StageHiddenStates
+
+    states = StageHiddenStates((torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)), 2)
+    assert len(states) == 5 and float(states[2]) == 0 and float(states[-1]) == 2 and len(states[2:]) == 3
+    for read in (lambda: states[1], lambda: list(states), lambda: states[:3]):
+        with pytest.raises(ValueError, match=r"holds blocks 2 on, so it has hidden states 2 to 4.*pipeline_parallel=1"):
+            read()
+
+
 def test_labels_that_are_every_target_are_counted_whole_under_tokens() -> None:
     # T5's labels are its decoder's targets and BERT's masked-LM labels are every position's: "tokens" counted them
     # as a causal LM's, shifted by one (a sample fewer per row), and trained to other weights (1e-3 at dp2 ZeRO-3).

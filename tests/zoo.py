@@ -302,6 +302,30 @@ class PadTokenLoss(HFCausalLM):
         return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=0)
 
 
+class HiddenStatesLoss(HFCausalLM):
+    """transformers' Llama with terms on its second layer's output and its final state (``output_hidden_states=True``),
+    as regularizers and layer-wise distillation read them."""
+
+    def __init__(self, name: str = "", **kwargs: Any) -> None:
+        super().__init__("llama", **kwargs)
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = self.model(**batch, output_hidden_states=True)
+        return out.loss + 0.1 * out.hidden_states[2].pow(2).mean() + 0.1 * out.hidden_states[-1].pow(2).mean()
+
+
+class ReentrantCheckpointing(HFCausalLM):
+    """transformers' Llama with its own gradient checkpointing, asked to be reentrant."""
+
+    def __init__(self, name: str = "", **kwargs: Any) -> None:
+        super().__init__("llama", **kwargs)
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+
+
+HF_VARIANTS = {"pad_token_loss": PadTokenLoss, "hidden_states_loss": HiddenStatesLoss,
+               "reentrant_checkpointing": ReentrantCheckpointing}
+
+
 class _Tokens(Dataset):
     """Random token windows; ``padded``: right-padded to SEQ from random lengths (labels -100, attention mask;
     ``"positions"``: also position_ids, the pads' counted from 0 again, as some collators write them; ``"ignored"``:
@@ -496,7 +520,7 @@ def fit_case(
     with trainer.init_module(empty_init=meta) if inside else nullcontext():
         from tests.custom_models import CUSTOM
 
-        cls = LitGPTModule if name in LITGPT else PadTokenLoss if name == "pad_token_loss" else CUSTOM.get(name, HFCausalLM)
+        cls = LitGPTModule if name in LITGPT else HF_VARIANTS.get(name) or CUSTOM.get(name, HFCausalLM)
         extra = {"manual_clip": clip} if manual else {}  # the step clips by itself (Lightning refuses gradient_clip_val)
         module = cls(name, sgd=sgd, frozen=frozen, dropout=dropout, **extra)
     total = sum(p.numel() for p in module.parameters())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_llmpar.modeling.hidden_states import apply_stage_hidden_states
 from lightning_llmpar.modeling.structure import BlockStack, find_block_stack, has_forward, mark_block_stack
 from lightning_llmpar.modeling.ties import TiedCopies, find_tied_weights
 from lightning_llmpar.pipeline.check import check_split, checkable, run_whole
@@ -119,11 +121,13 @@ def build_pipeline(
             " data parallelism (pipeline_parallel=1)."
         )
     num_stages = config.degree * config.virtual_stages
+    _non_reentrant_checkpointing(module)
     with checkable(module) as real:
         # The user's step, whole (which also shows what runs before and after the blocks) and then stage by
         # stage, before anything is split.
         reference = run_whole(module, stack, check) if check is not None and real else None
         stack = reference.stack if reference is not None else stack
+        apply_stage_hidden_states(module, stack.blocks)  # transformers' output_hidden_states, split check on
         costs, first, last = stage_costs(module, stack)
         ranges = plan_stages(costs, num_stages, first_extra=first, last_extra=last, split_points=config.split_points)
         replicate = check_split(module, reference, ranges, check) if reference is not None else False
@@ -143,6 +147,16 @@ def build_pipeline(
     return PipelineRunner(
         module, stack.blocks, layout, parts, swaps, pp_mesh, device, config.schedule, config.microbatches, ties, tokens
     )
+
+
+def _non_reentrant_checkpointing(module: LightningModule) -> None:
+    """transformers' gradient checkpointing asked to be reentrant (``gradient_checkpointing_kwargs={"use_reentrant":
+    True}``) cannot take the ``inputs=`` a stage's backward passes (torch refuses it in the first step): the same
+    recomputation, non-reentrant."""
+    for m in module.modules():
+        func = getattr(m, "_gradient_checkpointing_func", None)
+        if isinstance(func, partial) and func.keywords.get("use_reentrant"):
+            m._gradient_checkpointing_func = partial(func.func, *func.args, **{**func.keywords, "use_reentrant": False})
 
 
 def _refuse_parameters_beside_the_stack(module: LightningModule, stack: BlockStack) -> None:

@@ -1,0 +1,97 @@
+"""transformers' ``output_hidden_states=True`` under layouts that cut what the blocks return.
+
+A step may read a block's output (``outputs.hidden_states[i]``: a distillation or regularization term on an
+intermediate layer). Under sequence parallelism each block's output is this rank's part of the sequence, and
+transformers records it as it is: a loss on it trained silently wrong. The base model's output gets those entries
+gathered along the sequence (differentiably, one all-gather each, only in steps that ask for them). Under pipeline
+parallelism the last stage records only its own blocks' inputs and the final state, so ``hidden_states[1]`` was a
+later layer's: the tuple is given its one-process length, entries of earlier stages refusing to be read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["apply_hidden_states_gather", "apply_stage_hidden_states"]
+
+
+def _models(module: nn.Module) -> list[nn.Module]:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return []
+    return [m for m in module.modules() if isinstance(m, PreTrainedModel)]
+
+
+def _recorded(output: Any) -> tuple | None:
+    """The hidden states a transformers model's output recorded, as it recorded them (None: none, or placed)."""
+    states = getattr(output, "hidden_states", None) if not isinstance(output, tuple) else None
+    if not isinstance(states, tuple) or isinstance(states, StageHiddenStates) or not states:
+        return None
+    return states if all(isinstance(s, Tensor) for s in states) else None
+
+
+def apply_hidden_states_gather(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Under sequence parallelism over ``mesh`` (the tensor-parallel ranks): recorded hidden states whole. As a
+    DTensor's full_tensor: a term on one is the same on every rank, so its gradient goes back as this rank's part
+    (not summed over the ranks, as a plain all-gather's would be)."""
+    degree = mesh.size()
+
+    def gather(_: nn.Module, __: Any, output: Any) -> Any:
+        states = _recorded(output)
+        if states is None or states[-1].dim() < 3:
+            return output
+        length = states[-1].shape[1]  # the final state is whole (gathered for the head)
+        output.hidden_states = tuple(
+            DTensor.from_local(s, mesh, [Shard(1)], run_check=False).full_tensor()
+            if s.dim() >= 3 and s.shape[1] * degree == length and s.shape[1] != length else s for s in states)
+        return output
+
+    for model in _models(module):
+        model.register_forward_hook(gather)
+
+
+class StageHiddenStates(tuple):
+    """The hidden states as one process records them (its length, each at its index), on the pipeline's last stage:
+    entries from blocks on earlier stages refuse to be read."""
+
+    first: int = 0
+
+    def __new__(cls, recorded: tuple, first: int) -> StageHiddenStates:
+        states = super().__new__(cls, (None,) * first + tuple(recorded))
+        states.first = first
+        return states
+
+    def __getitem__(self, index: Any) -> Any:
+        picked = super().__getitem__(index)
+        if picked is None or (isinstance(picked, tuple) and any(s is None for s in picked)):
+            raise ValueError(
+                f"outputs.hidden_states[{index}]: under pipeline parallelism the stage that computes the loss holds"
+                f" blocks {self.first} on, so it has hidden states {self.first} to {len(self) - 1} (the last is the"
+                " final one) and not the earlier blocks' outputs. Read those, or use pipeline_parallel=1 (tensor"
+                " parallelism and ZeRO give every hidden state)."
+            )
+        return picked
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return (self[i] for i in range(len(self)))
+
+
+def apply_stage_hidden_states(module: nn.Module, blocks: nn.Module) -> None:
+    """Under pipeline parallelism over ``blocks`` (the stack the stages split): where a stage's window starts after
+    the first block, the hidden states at their one-process indices (transformers records none for the pass-throughs
+    before the window; a forward that records what each block gets records the stage's input for them)."""
+
+    def place(_: nn.Module, __: Any, output: Any) -> Any:
+        states, window = _recorded(output), getattr(blocks, "_llmpar_window", None)
+        if states is None or not window or window[0] == 0 or len(states) < len(blocks) - window[0] + 1:
+            return output
+        output.hidden_states = StageHiddenStates(states[-(len(blocks) - window[0] + 1):], window[0])
+        return output
+
+    for model in _models(module):
+        model.register_forward_hook(place)
