@@ -27,7 +27,8 @@ from lightning_llmpar.modeling.structure import BlockStack
 from lightning_llmpar.modeling.ties import find_tied_weights, retie
 from lightning_llmpar.pipeline.split import _StandIn, outside_owners, seeded_noise, stage_program
 from lightning_llmpar.pipeline.window import narrow_blocks, output_form, widen_blocks
-from lightning_llmpar.training.loss_normalization import IGNORE_INDEX, batch_targets
+from lightning_llmpar.training.ignore_index import IGNORE_INDEX
+from lightning_llmpar.training.loss_normalization import batch_targets
 from lightning_llmpar.training.quiet import quiet_step
 
 __all__ = ["Reference", "check_split", "checkable", "first_sample", "run_whole"]

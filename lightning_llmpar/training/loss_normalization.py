@@ -22,6 +22,7 @@ from lightning_llmpar.training.ignore_index import IGNORE_INDEX, IgnoreIndex
 __all__ = ["PaddedMeanWarning", "TokenNormalizer", "batch_targets", "count_target_tokens", "label_counter",
            "model_shifts_labels"]
 
+
 def batch_targets(batch: Any, shifted: bool = True) -> Tensor | None:
     """A dict's ``labels`` (shifted by one as transformers' causal-LM loss does, where ``shifted``; a sample's
     class labels, 1-D, never are), a dict's ``targets`` (already shifted: the bundled packed rows), or the targets
@@ -87,7 +88,7 @@ class TokenNormalizer:
         self.index = index or (lambda: IGNORE_INDEX)
         self.tokens = 0  # on this rank, since the last optimizer step, for losses this rank computed
         self.step_tokens = 1  # behind the loss of the micro-step in flight (its backward weighs the mean by it)
-        self._stepped = False  # the step's gradients were rescaled since the last count
+        self._stepped = False  # this step's gradients are rescaled already (begin_step starts a step)
         self._batch: Any = None
         self._counted_with = IGNORE_INDEX
 
