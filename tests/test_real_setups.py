@@ -291,6 +291,17 @@ def test_transformers_item_count_in_the_batch_is_shared_by_pipeline_microbatches
         assert two[1]["metrics"][-1]["train_loss"] == pytest.approx(ref["metrics"][-1]["train_loss"], abs=1e-5)
 
 
+def test_step_guard_keeps_a_step_where_one_rank_has_no_valid_target() -> None:
+    # Samples 0, 2, 4 and 6 are all prompt (labels -100): data-parallel rank 0's part of the first batch has no
+    # target, its own loss is 0/0 and weighs nothing under "tokens". StepGuard judged that NaN and skipped a good
+    # step on every rank (weights 0.70 off one process); it reads the global batch's loss.
+    opts = {"padded": "ignored", "steps": 3}
+    (ref,) = _cases(1, [("llama", None, opts)])[0]
+    (two,) = _cases(2, [("llama", {"zero_stage": 3, "loss_normalization": "tokens"}, {**opts, "guard": True})])
+    assert all(not out["skipped_steps"] for out in two), [out["skipped_steps"] for out in two]
+    _same_training(ref, two)
+
+
 def test_a_term_on_an_intermediate_hidden_state_is_exact_or_refused() -> None:
     # output_hidden_states=True under sequence parallelism recorded each rank's part of the sequence for every block
     # (weights 6.3e-4 off one process); under pipeline parallelism the last stage's hidden_states[1] was its first

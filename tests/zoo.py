@@ -480,6 +480,7 @@ def fit_case(
     checkpointing: str | None = None,
     manual: bool = False,
     validate: bool = False,
+    guard: bool = False,
 ) -> dict[str, Any]:
     """Train zoo model ``name`` for ``steps``; ``strategy_kwargs=None`` is the one-process reference.
 
@@ -511,7 +512,7 @@ def fit_case(
         devices=1 if strategy_kwargs is None else world,
         strategy="auto" if strategy_kwargs is None else LLMParallelStrategy(**kwargs),
         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False, callbacks=[record, *_checkpointing(checkpointing)],
+        enable_model_summary=False, use_distributed_sampler=False, callbacks=[record, *_checkpointing(checkpointing), *_guard(guard)],
         gradient_clip_val=None if manual else clip, accumulate_grad_batches=accumulate, plugins=plugins, precision=precision_flag,
     )
     # '64-true' makes parameters in float64 inside init_module (other random draws than fp32's and a cast): the
@@ -569,7 +570,14 @@ def fit_case(
     return {"compiled_frames": counters["frames"]["ok"], "compiled_extern_calls": compiled_extern_calls,
             "losses": record.losses, "grads": record.grads, "held": held / total, "param_dtype": str(dtype),
             "plugin": type(trainer.precision_plugin).__name__, "params": params, "metrics": record.metrics,
-            "kernels": kernels(trainer), "data_parallel": wrapper, "val_loss": val_loss}
+            "kernels": kernels(trainer), "data_parallel": wrapper, "val_loss": val_loss,
+            "skipped_steps": [step for c in trainer.callbacks for step in getattr(c, "skipped_steps", [])]}
+
+
+def _guard(on: bool) -> list[Callback]:
+    from lightning_llmpar import StepGuard
+
+    return [StepGuard()] if on else []
 
 
 def _checkpointing(mode: str | None) -> list[Callback]:
