@@ -313,14 +313,18 @@ def test_a_term_on_an_intermediate_hidden_state_is_exact_or_refused() -> None:
     outs = _cases(2, [("hidden_states_loss", sp, opts), ("hidden_states_loss", pp, opts),
                       # transformers' own gradient checkpointing, reentrant: a stage's backward(inputs=...) failed
                       ("reentrant_checkpointing", pp, opts)])
-    for reference, two in zip([ref, ref, checkpointed], outs):
+    # Both: the stage's states gathered (tp2 x pp2 gathered none of them once placed at their indices).
+    outs += _cases(4, [("hidden_states_loss", {**sp, **pp}, opts)])
+    for reference, two in zip([ref, ref, checkpointed, ref], outs):
         _same_training(reference, two)
     # Earlier stages' states are not there: reading one says so.
     from lightning_llmpar.modeling.hidden_states import StageHiddenStates
 
     states = StageHiddenStates((torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)), 2)
     assert len(states) == 5 and float(states[2]) == 0 and float(states[-1]) == 2 and len(states[2:]) == 3
-    for read in (lambda: states[1], lambda: list(states), lambda: states[:3]):
+    # Walked (Lightning's and the pipeline's own walks over a step's outputs): None where absent, and rebuilt alike.
+    assert list(states)[:2] == [None, None] and StageHiddenStates(list(states)).first == 2
+    for read in (lambda: states[1], lambda: states[:3]):
         with pytest.raises(ValueError, match=r"holds blocks 2 on, so it has hidden states 2 to 4.*pipeline_parallel=1"):
             read()
 

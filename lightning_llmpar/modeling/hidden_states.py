@@ -28,9 +28,11 @@ def _models(module: nn.Module) -> list[nn.Module]:
 
 
 def _recorded(output: Any) -> tuple | None:
-    """The hidden states a transformers model's output recorded, as it recorded them (None: none, or placed)."""
+    """The hidden states a transformers model's output recorded (None: none), or those a pipeline stage holds."""
     states = getattr(output, "hidden_states", None) if not isinstance(output, tuple) else None
-    if not isinstance(states, tuple) or isinstance(states, StageHiddenStates) or not states:
+    if isinstance(states, StageHiddenStates):
+        return states.held()
+    if not isinstance(states, tuple) or not states:
         return None
     return states if all(isinstance(s, Tensor) for s in states) else None
 
@@ -46,9 +48,10 @@ def apply_hidden_states_gather(module: nn.Module, mesh: DeviceMesh) -> None:
         if states is None or states[-1].dim() < 3:
             return output
         length = states[-1].shape[1]  # the final state is whole (gathered for the head)
-        output.hidden_states = tuple(
-            DTensor.from_local(s, mesh, [Shard(1)], run_check=False).full_tensor()
-            if s.dim() >= 3 and s.shape[1] * degree == length and s.shape[1] != length else s for s in states)
+        whole = tuple(DTensor.from_local(s, mesh, [Shard(1)], run_check=False).full_tensor()
+                      if s.dim() >= 3 and s.shape[1] * degree == length and s.shape[1] != length else s for s in states)
+        placed = output.hidden_states  # (a pipeline stage's, placed at their indices: placed again)
+        output.hidden_states = StageHiddenStates(whole, placed.first) if isinstance(placed, StageHiddenStates) else whole
         return output
 
     for model in _models(module):
@@ -57,14 +60,23 @@ def apply_hidden_states_gather(module: nn.Module, mesh: DeviceMesh) -> None:
 
 class StageHiddenStates(tuple):
     """The hidden states as one process records them (its length, each at its index), on the pipeline's last stage:
-    entries from blocks on earlier stages refuse to be read."""
+    entries from blocks on earlier stages refuse to be read by index (iterating gives None for them, as code that
+    walks outputs does: Lightning's, the pipeline's merge of microbatch outputs)."""
 
     first: int = 0
 
-    def __new__(cls, recorded: tuple, first: int) -> StageHiddenStates:
-        states = super().__new__(cls, (None,) * first + tuple(recorded))
+    def __new__(cls, recorded: Any, first: int | None = None) -> StageHiddenStates:
+        items = tuple(recorded)
+        if first is None:  # rebuilt from its own items (a walk over the outputs): its leading Nones
+            first = next((i for i, s in enumerate(items) if s is not None), len(items))
+            items = items[first:]
+        states = super().__new__(cls, (None,) * first + items)
         states.first = first
         return states
+
+    def held(self) -> tuple:
+        """The entries this stage holds, from index ``first`` on."""
+        return tuple(tuple.__iter__(self))[self.first :]
 
     def __getitem__(self, index: Any) -> Any:
         picked = super().__getitem__(index)
@@ -77,9 +89,6 @@ class StageHiddenStates(tuple):
             )
         return picked
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return (self[i] for i in range(len(self)))
-
 
 def apply_stage_hidden_states(module: nn.Module, blocks: nn.Module) -> None:
     """Under pipeline parallelism over ``blocks`` (the stack the stages split): where a stage's window starts after
@@ -88,7 +97,8 @@ def apply_stage_hidden_states(module: nn.Module, blocks: nn.Module) -> None:
 
     def place(_: nn.Module, __: Any, output: Any) -> Any:
         states, window = _recorded(output), getattr(blocks, "_llmpar_window", None)
-        if states is None or not window or window[0] == 0 or len(states) < len(blocks) - window[0] + 1:
+        placed = isinstance(getattr(output, "hidden_states", None), StageHiddenStates)
+        if states is None or placed or not window or window[0] == 0 or len(states) < len(blocks) - window[0] + 1:
             return output
         output.hidden_states = StageHiddenStates(states[-(len(blocks) - window[0] + 1):], window[0])
         return output

@@ -89,7 +89,7 @@ def merge_outputs(outs: list[Any]) -> Any:
     if all(isinstance(o, dict) for o in outs):
         return {k: merge_outputs([o[k] for o in outs]) for k in first}
     if isinstance(first, (tuple, list)) and all(type(o) is type(first) and len(o) == len(first) for o in outs):
-        return same_sequence(first, [merge_outputs([o[i] for o in outs]) for i in range(len(first))])
+        return same_sequence(first, [merge_outputs(list(column)) for column in zip(*outs)])
     if all(isinstance(o, (int, float)) and not isinstance(o, bool) for o in outs):
         _warn_averaged()
         return sum(outs) / len(outs)
