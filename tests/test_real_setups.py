@@ -302,6 +302,22 @@ def test_step_guard_keeps_a_step_where_one_rank_has_no_valid_target() -> None:
     _same_training(ref, two)
 
 
+def test_manual_optimization_under_tokens_that_cannot_be_rescaled_is_refused() -> None:
+    # One rescale per training step: a second optimizer's gradients stayed weighted by the tokens (0.71 off one
+    # process), gradients accumulated by hand over two steps (or a step without backward) were divided by one
+    # step's share; StepGuard read the token-weighted loss. Each is refused, naming the way out.
+    from lightning_llmpar import StepGuard
+    from tests.workloads import fit_error
+
+    tokens = {"zero_stage": 3, "loss_normalization": "tokens"}
+    cases = [("gpt_two_optimizers_by_hand", {}, "with 2 optimizers"),
+             ("gpt_accumulates_by_hand", {}, "this optimizer step follows 2 training steps"),
+             ("gpt_by_hand", {"callbacks_extra": [StepGuard()]}, "StepGuard judges the loss a backward gets")]
+    for model, extra, words in cases:
+        errors = run_ranks(fit_error, 2, model, tokens, steps=2, batch_size=4, **extra)
+        assert all(e is not None and "ValueError" in e and words in e for e in errors), errors
+
+
 def test_a_term_on_an_intermediate_hidden_state_is_exact_or_refused() -> None:
     # output_hidden_states=True under sequence parallelism recorded each rank's part of the sequence for every block
     # (weights 6.3e-4 off one process); under pipeline parallelism the last stage's hidden_states[1] was its first

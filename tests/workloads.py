@@ -170,6 +170,31 @@ def _partly_frozen() -> LightningModule:
     return module
 
 
+class _ByHand(GPTModule):
+    """The example GPT optimized by hand: ``optimizers`` SGDs over halves of its parameters, each stepping after its
+    own backward, every ``every`` training steps."""
+
+    def __init__(self, optimizers: int = 1, every: int = 1) -> None:
+        super().__init__(**GPT_ARGS)
+        self.automatic_optimization, self.parts, self.every = False, optimizers, every
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, _ = self._unpack(batch)
+        loss = self._loss(self(x), y)
+        optimizers = self.optimizers() if self.parts > 1 else [self.optimizers()]
+        for opt in optimizers:
+            self.manual_backward(loss / self.parts, retain_graph=True)
+            if (batch_idx + 1) % self.every == 0:
+                opt.step()
+                opt.zero_grad()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        params = list(self.parameters())
+        groups = [params[i :: self.parts] for i in range(self.parts)]
+        return [torch.optim.SGD(g, lr=0.5) for g in groups] if self.parts > 1 else torch.optim.SGD(params, lr=0.5)
+
+
 class _IgnoresToken0(GPTModule):
     """A loss ignoring token 0 (a pad token), not -100: the random windows hold it here and there."""
 
@@ -185,7 +210,9 @@ MODELS = {"gpt": make_gpt, "llama": HFLlamaModule, "llama_tied": lambda: HFLlama
           "gpt_partly_optimized": _PartlyOptimized, "gpt_steep": _SteepLoss, "gpt_positions_in_forward": _PositionsInForward,
           "gpt_positions_at_root": _PositionsAtRoot, "gpt_without_optimizer": _without_optimizer,
           "gpt_first_block_frozen": _first_block_frozen, "gpt_partly_frozen": _partly_frozen,
-          "gpt_vocab_48": lambda: GPTModule(**{**GPT_ARGS, "vocab_size": 48}), "gpt_ignores_0": _IgnoresToken0}  # the data's ids reach 63
+          "gpt_vocab_48": lambda: GPTModule(**{**GPT_ARGS, "vocab_size": 48}), "gpt_ignores_0": _IgnoresToken0,
+          "gpt_two_optimizers_by_hand": lambda: _ByHand(optimizers=2), "gpt_accumulates_by_hand": lambda: _ByHand(every=2),
+          "gpt_by_hand": _ByHand}  # the data's ids reach 63
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ from lightning_llmpar.precision.plugins import mesh_precision
 from lightning_llmpar.strategies.options import StrategyOptions
 from lightning_llmpar.tensor_parallel.grads import reduce_partial_grads
 from lightning_llmpar.training.clip import clip_grad_norm_
+from lightning_llmpar.training.loss_normalization import refuse_several_manual_optimizers
 from lightning_llmpar.training.optimizer import apply_optimizer_kernels, keep_kernels
 from lightning_llmpar.training.sync_groups import log_group
 
@@ -186,6 +187,8 @@ class FSDP2Backend(ShardingBackend):
             ) from err
         if self.runner is not None:  # configure_optimizers may switch manual optimization on
             refuse_manual_optimization(module)
+        if self.composed is not None and self.composed.tokens is not None and not module.automatic_optimization:
+            refuse_several_manual_optimizers(s.optimizers)
         apply_optimizer_kernels(s.optimizers, module, fused=self.options.fused_optimizer)
 
     def _install_global_clipping(self) -> None:
@@ -273,12 +276,12 @@ class FSDP2Backend(ShardingBackend):
 
     def finish_tokens(self) -> None:
         """Under loss_normalization='tokens', the step's gradients turned into the per-token mean, once: in the
-        optimizer step's closure, or first where a step optimized by hand clips before stepping (every optimizer's
-        parameters: one optimized by hand may step several)."""
+        optimizer step's closure, or first where a step optimized by hand clips before stepping."""
         s, tokens = self.strategy, self.composed.tokens if self.composed is not None else None
         if tokens is not None:
             params = {id(p): p for opt in s.optimizers for p in s.precision_plugin.main_params(opt)}
-            tokens.finish(params.values(), s.lightning_module.trainer.accumulate_grad_batches)
+            module = s.lightning_module
+            tokens.finish(params.values(), module.trainer.accumulate_grad_batches, not module.automatic_optimization)
 
     def _raw_optimizers(self) -> list[Optimizer]:
         return [getattr(opt, "_optimizer", opt) for opt in self.strategy.optimizers]

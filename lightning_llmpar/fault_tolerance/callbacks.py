@@ -217,6 +217,14 @@ class StepGuard(Callback):
                 "StepGuard skips a step by dropping gradients, which the DeepSpeed engine keeps in its own"
                 " partitions. Use it with sharding_backend='fsdp2' (the default)."
             )
+        counted = getattr(getattr(trainer.strategy, "options", None), "count_tokens", None) is not None
+        if counted and not pl_module.automatic_optimization:
+            raise ValueError(
+                "StepGuard judges the loss a backward gets; with manual optimization under loss_normalization='tokens'"
+                " that is the rank's own loss weighed by its valid targets (a rank without any: NaN), not the batch's,"
+                " so it would skip good steps and miss spikes. Use automatic optimization, or"
+                " loss_normalization='mean'."
+            )
 
     @staticmethod
     def _scaler(trainer: Trainer) -> Any:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from lightning_llmpar.training.ignore_index import IGNORE_INDEX, IgnoreIndex
 
 __all__ = ["PaddedMeanWarning", "TokenNormalizer", "batch_targets", "count_target_tokens", "label_counter",
-           "model_shifts_labels"]
+           "model_shifts_labels", "refuse_several_manual_optimizers"]
 
 
 def batch_targets(batch: Any, shifted: bool = True) -> Tensor | None:
@@ -89,6 +89,7 @@ class TokenNormalizer:
         self.tokens = 0  # on this rank, since the last optimizer step, for losses this rank computed
         self.step_tokens = 1  # behind the loss of the micro-step in flight (its backward weighs the mean by it)
         self._stepped = False  # this step's gradients are rescaled already (begin_step starts a step)
+        self._counted = 0  # batches counted since the last rescale
         self._batch: Any = None
         self._counted_with = IGNORE_INDEX
 
@@ -96,7 +97,7 @@ class TokenNormalizer:
         self._batch, self._counted_with = batch, self.index()
         n = int(self.count(batch))
         self.tokens += n
-        self.step_tokens = n
+        self.step_tokens, self._counted = n, self._counted + 1
         return n
 
     def begin_step(self) -> None:
@@ -106,12 +107,12 @@ class TokenNormalizer:
     def settled(self) -> int:
         """The last count, counted again if the loss has told another ignore index since (before its use)."""
         if self._batch is not None and not self._stepped and self.index() != self._counted_with:
-            self.tokens -= self.step_tokens
+            self.tokens, self._counted = self.tokens - self.step_tokens, self._counted - 1
             self.add(self._batch)
         return self.step_tokens
 
     @torch.no_grad()
-    def finish(self, params: Iterable[Tensor], accumulate: int) -> None:
+    def finish(self, params: Iterable[Tensor], accumulate: int, manual: bool = False) -> None:
         """Turn the accumulated sum of token-weighted gradients into the per-token mean of the step.
 
         Gradients hold (1/dp)(1/accumulate) x sum over losses of (tokens x gradient of the mean loss):
@@ -121,18 +122,38 @@ class TokenNormalizer:
         """
         if self._stepped:  # once per step: where a step optimized by hand clips, and again at its optimizer step
             return
+        if manual and self._counted > 1:
+            raise ValueError(
+                "loss_normalization='tokens' with manual optimization divides each optimizer step's gradients by the"
+                f" valid targets of its training step, but this optimizer step follows {self._counted} training steps"
+                " (gradients accumulated by hand, or a training step without backward), whose losses one process"
+                " would weigh as the step's code does. Step the optimizer in every training step, or use"
+                " loss_normalization='mean' (or accumulate_grad_batches with automatic optimization)."
+            )
         self.settled()
         total = torch.tensor([float(self.tokens)], dtype=torch.float64, device=self.device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(total)
         tokens = float(total) / self.tp
-        self.tokens, self._stepped, self._batch = 0, True, None
+        self.tokens, self._stepped, self._batch, self._counted = 0, True, None, 0
         if tokens <= 0:
             return
         factor = self.dp * accumulate / tokens
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(factor)
+
+
+def refuse_several_manual_optimizers(optimizers: list[Any]) -> None:
+    """Under loss_normalization='tokens' a step optimized by hand has one count, rescaled once: with several
+    optimizers each stepping its own backward, the later ones' gradients would not be rescaled."""
+    if len(optimizers) > 1:
+        raise ValueError(
+            f"loss_normalization='tokens' with manual optimization rescales the gradients of a training step once, by"
+            f" its valid targets; this module optimizes by hand with {len(optimizers)} optimizers, whose separate"
+            " backward passes and steps it cannot rescale each. Use loss_normalization='mean' (the step's own"
+            " losses, as one process computes them) or one optimizer."
+        )
 
 
 class PaddedMeanWarning:
