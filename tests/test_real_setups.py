@@ -333,6 +333,10 @@ def test_a_term_on_an_intermediate_hidden_state_is_exact_or_refused() -> None:
     outs += _cases(4, [("hidden_states_loss", {**sp, **pp}, opts)])
     for reference, two in zip([ref, ref, checkpointed, ref], outs):
         _same_training(reference, two)
+    # Interleaved, the last stage holds block 3 alone: the split check says so (it blamed the cut).
+    (interleaved,) = _cases(2, [("hidden_states_loss", {"pipeline_parallel": 2}, opts)])
+    errors = [out.get("error", "") for out in interleaved]
+    assert all("hidden_states[2]" in e and "blocks 3 on" in e and "Cut elsewhere" not in e for e in errors), errors
     # Earlier stages' states are not there: reading one says so.
     from lightning_llmpar.modeling.hidden_states import StageHiddenStates
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["apply_hidden_states_gather", "apply_stage_hidden_states"]
+__all__ = ["EarlierStageState", "StageHiddenStates", "apply_hidden_states_gather", "apply_stage_hidden_states"]
 
 
 def _models(module: nn.Module) -> list[nn.Module]:
@@ -58,6 +58,10 @@ def apply_hidden_states_gather(module: nn.Module, mesh: DeviceMesh) -> None:
         model.register_forward_hook(gather)
 
 
+class EarlierStageState(ValueError):
+    """A hidden state of blocks on an earlier pipeline stage, read on the last."""
+
+
 class StageHiddenStates(tuple):
     """The hidden states as one process records them (its length, each at its index), on the pipeline's last stage:
     entries from blocks on earlier stages refuse to be read by index (iterating gives None for them, as code that
@@ -81,7 +85,7 @@ class StageHiddenStates(tuple):
     def __getitem__(self, index: Any) -> Any:
         picked = super().__getitem__(index)
         if picked is None or (isinstance(picked, tuple) and any(s is None for s in picked)):
-            raise ValueError(
+            raise EarlierStageState(
                 f"outputs.hidden_states[{index}]: under pipeline parallelism the stage that computes the loss holds"
                 f" blocks {self.first} on, so it has hidden states {self.first} to {len(self) - 1} (the last is the"
                 " final one) and not the earlier blocks' outputs. Read those, or use pipeline_parallel=1 (tensor"

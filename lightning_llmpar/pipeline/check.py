@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
+from lightning_llmpar.modeling.hidden_states import EarlierStageState
 from lightning_llmpar.modeling.materialize import has_meta_tensors, materialize
 from lightning_llmpar.modeling.structure import BlockStack
 from lightning_llmpar.modeling.ties import find_tied_weights, retie
@@ -278,6 +279,8 @@ def check_split(
                         del stand_ins[n]
             try:
                 cut, value = run(incoming)
+            except EarlierStageState:  # says itself what the stage lacks
+                raise
             except Exception as error:  # the whole step ran: only the cut makes it fail
                 raise ValueError(
                     f"Pipeline split: {where} fails when run on its own ({type(error).__name__}: {error}). The"
