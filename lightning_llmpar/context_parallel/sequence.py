@@ -15,10 +15,10 @@ import torch
 from torch import Tensor
 
 from lightning_llmpar.training.documents import document_ids_from_positions, packed_beyond_padding
+from lightning_llmpar.training.ignore_index import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "SHIFT_IN_STEP", "SequenceShard", "positions_for", "shard_batch"]
 
-IGNORE_INDEX = -100
 
 
 def positions_for(seq_len: int, cp: int, rank: int, mode: str) -> Tensor:
