@@ -4,6 +4,7 @@ refused before any work."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,8 @@ def _cases(world: int, cases: list[tuple[str, dict[str, Any] | None, dict[str, A
     def per_rank(kwargs: dict[str, Any] | None) -> int:
         if kwargs is None:
             return BATCH
-        return BATCH * kwargs.get("tensor_parallel", 1) * kwargs.get("pipeline_parallel", 1) // world
+        model_parallel = (kwargs.get(k, 1) for k in ("tensor_parallel", "pipeline_parallel", "context_parallel"))
+        return BATCH * math.prod(model_parallel) // world
 
     specs = [(m, kw, opt.get("batch", per_rank(kw)), {**{k: v for k, v in opt.items() if k != "batch"}, "tag": str(i)})
              for i, (m, kw, opt) in enumerate(cases)]
@@ -276,6 +278,17 @@ def test_a_loss_ignoring_the_pad_token_is_counted_as_it_ignores() -> None:
             assert two[1]["metrics"][-1]["train_loss"] == pytest.approx(ref["metrics"][-1]["train_loss"], abs=1e-5)
     said = [w for w in outs[3][0]["warnings"] if "ignored targets" in w]
     assert len(said) == 1 and "(0, the loss's ignore_index" in said[0], outs[3][0]["warnings"]
+
+
+def test_transformers_told_the_pad_token_as_ignore_index_under_context_parallelism() -> None:
+    # model(..., ignore_index=0): transformers pads the shifted labels with that index. The cut padded them with
+    # -100 instead, a target cross-entropy refuses; each cp rank now gets the loss's index there, and counts it ignored.
+    opts = {"padded": "pad_token", "steps": 3}
+    (ref,) = _cases(1, [("pad_token_kwarg", None, opts)])[0]
+    outs = _cases(2, [("pad_token_kwarg", {"context_parallel": 2}, opts),
+                      ("pad_token_kwarg", {"context_parallel": 2, "loss_normalization": "tokens"}, opts)])
+    for two in outs:
+        _same_training(ref, two)
 
 
 def test_transformers_item_count_in_the_batch_is_shared_by_pipeline_microbatches() -> None:

@@ -302,6 +302,17 @@ class PadTokenLoss(HFCausalLM):
         return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=0)
 
 
+class PadTokenKwarg(HFCausalLM):
+    """transformers' Llama told the pad token (0, what its labels are padded with) as its loss's ``ignore_index``
+    in the forward call, which pads the shifted labels with it."""
+
+    def __init__(self, name: str = "", **kwargs: Any) -> None:
+        super().__init__("llama", **kwargs)
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(**batch, ignore_index=0).loss
+
+
 class HiddenStatesLoss(HFCausalLM):
     """transformers' Llama with terms on its second layer's output and its final state (``output_hidden_states=True``),
     as regularizers and layer-wise distillation read them."""
@@ -322,7 +333,7 @@ class ReentrantCheckpointing(HFCausalLM):
         self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
 
 
-HF_VARIANTS = {"pad_token_loss": PadTokenLoss, "hidden_states_loss": HiddenStatesLoss,
+HF_VARIANTS = {"pad_token_loss": PadTokenLoss, "pad_token_kwarg": PadTokenKwarg, "hidden_states_loss": HiddenStatesLoss,
                "reentrant_checkpointing": ReentrantCheckpointing}
 
 

@@ -140,7 +140,10 @@ class ContextParallel:
         # ranks' count) makes the average that FSDP takes over cp the mean over every target of the sequences.
         assert self.shard is not None and self.shard.targets is not None
         self._counted_with = self.ignore_index()
-        counts = torch.tensor([float((self.shard.targets != self._counted_with).sum())], dtype=torch.float64,
+        valid = self.shard.targets != self._counted_with
+        if self.shard.appended is not None:  # the target after the last token, ignored whatever the index
+            valid[:, self.shard.appended] = False
+        counts = torch.tensor([float(valid.sum())], dtype=torch.float64,
                               device=self.shard.targets.device)
         local = float(counts)
         self.no_local_targets = local == 0
@@ -191,6 +194,10 @@ class ContextParallel:
         if self._hf_labels and isinstance(labels, Tensor):
             shifted = self.shard.shifted.get(id(labels))
             if shifted is not None:
+                ignore = kwargs.get("ignore_index", IGNORE_INDEX)
+                if isinstance(ignore, int) and ignore != IGNORE_INDEX and self.shard.appended is not None:
+                    # transformers pads the shifted labels with the loss's ignore_index, not -100.
+                    shifted[:, self.shard.appended] = ignore
                 kwargs["shift_labels"] = shifted
                 self.shard.labels_seen = True
                 if self.no_local_targets and kwargs.get("num_items_in_batch") is None:

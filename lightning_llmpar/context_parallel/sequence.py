@@ -53,6 +53,7 @@ class SequenceShard:
     targets: Tensor | None = None  # the local targets whose valid count weighs this rank's loss
     labels_seen: bool = False
     documents: Tensor | None = None  # the whole sequences' document ids, for packed rows (Ulysses)
+    appended: Tensor | None = None  # where the local shifted labels hold the target appended after the last token
 
 
 def _first_sequence(batch: Any) -> Tensor | None:
@@ -168,6 +169,7 @@ def shard_batch(batch: Any, cp: int, rank: int, mode: str) -> tuple[Any, Sequenc
             shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
             shard.targets = shifted.index_select(1, index)
             shard.shifted[id(out["labels"])] = shard.targets
+            shard.appended = index == seq_len - 1
         elif isinstance(batch.get("targets"), Tensor) and batch["targets"].shape == first.shape:
             shard.targets = out["targets"]  # already shifted, as in (inputs, targets) pairs
         return out, shard
