@@ -212,7 +212,7 @@ MODELS = {"gpt": make_gpt, "llama": HFLlamaModule, "llama_tied": lambda: HFLlama
           "gpt_first_block_frozen": _first_block_frozen, "gpt_partly_frozen": _partly_frozen,
           "gpt_vocab_48": lambda: GPTModule(**{**GPT_ARGS, "vocab_size": 48}), "gpt_ignores_0": _IgnoresToken0,
           "gpt_two_optimizers_by_hand": lambda: _ByHand(optimizers=2), "gpt_accumulates_by_hand": lambda: _ByHand(every=2),
-          "gpt_by_hand": _ByHand}  # the data's ids reach 63
+          "gpt_by_hand": _ByHand, "gpt_two_layers": lambda: GPTModule(**{**GPT_ARGS, "n_layer": 2})}  # the data's ids reach 63
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

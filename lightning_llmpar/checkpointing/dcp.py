@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_llmpar.checkpointing.keys import check_model_keys
 from lightning_llmpar.checkpointing.manifest import (
     foreign_files,
     read_manifest,
@@ -331,6 +332,7 @@ def load_checkpoint(
         optimizers = []
     aliases = aliases or {}
     state = _tensor_state(model, optimizers, aliases, packings or {})
+    check_model_keys(path, read_dcp_metadata(path), state["model"], strict=strict)
     dcp.load(state, checkpoint_id=path, storage_reader=SafeFileSystemReader(path),
              planner=SafeLoadPlanner(allow_partial_load=not strict))
     with own_state_reads():

@@ -82,6 +82,22 @@ def test_resume_in_another_layout_continues_exactly(
         torch.testing.assert_close(outs[0]["params"][name], param, atol=5e-4, rtol=0)
 
 
+def test_a_checkpoint_of_another_model_is_refused_naming_its_entries(
+    saved_tp2_dp2: tuple[Path, list[dict[str, Any]]]
+) -> None:
+    # DCP loads what the model asks for: the 4-layer checkpoint's layers 2-3 were dropped without a word into a
+    # 2-layer model, and a resized vocabulary failed inside DCP's collective with a CheckpointException (not an
+    # Exception) naming one key. Both are a ValueError on every rank, before anything is read.
+    path, _ = saved_tp2_dp2
+    fewer = run_ranks(fit_error, 2, "gpt_two_layers", {"pipeline_parallel": 2, "pipeline_schedule": "1F1B"}, batch_size=16, steps=6, ckpt_path=str(path))
+    assert len(set(fewer)) == 1, fewer
+    assert "ValueError: Checkpoint" in fewer[0] and "model: 18 entries not in the model (model.layers.2." in fewer[0], fewer[0]
+    assert "strict_loading = False" in fewer[0]
+    vocab = run_ranks(fit_error, 2, "gpt_vocab_48", {"tensor_parallel": 2}, batch_size=16, steps=6, ckpt_path=str(path))
+    assert len(set(vocab)) == 1, vocab
+    assert "model: 2 entries of another shape (model.lm_head.weight (saved (64, 32), model (48, 32)), model.tok_emb" in vocab[0], vocab[0]
+
+
 def test_export_consolidated_loads_into_a_plain_module(
     saved_tp2_dp2: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
