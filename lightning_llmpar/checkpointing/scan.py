@@ -51,6 +51,10 @@ def checkpoint_problem(path: Path, kind: str | None = None, trusted: bool = Fals
         problem = verify_manifest(path, manifest)
         if problem is not None:
             return problem
+        strays = sorted(p.name for p in _own_named(path) if p.name not in manifest["files"])
+        if strays:
+            return (f"{', '.join(strays)} {'is' if len(strays) == 1 else 'are'} named like its own files but not in its"
+                    " manifest (this library did not write them there); move them out of the folder")
         if manifest.get("kind") == "deepspeed":
             return None  # DeepSpeed's files are pickles only DeepSpeed reads, and only when trusted
     elif (path / "ckpt").is_dir():  # DeepSpeed backend, written before manifests
@@ -72,10 +76,20 @@ def checkpoint_problem(path: Path, kind: str | None = None, trusted: bool = Fals
             bad = archive.testzip()
         if bad is not None:
             return f"{META_FILE} is corrupt ({bad})"
-        for extra in [] if trusted else [path / META_FILE, *path.glob("compression_rank*.pt"), *path.glob("rank_state*.pt")]:
-            safe_torch_load(extra, map_location="cpu", mmap=True)
+        for extra in [] if trusted else [path / META_FILE, *_own_named(path)]:
+            try:
+                safe_torch_load(extra, map_location="cpu", mmap=True)
+            except UnsafeCheckpointError:
+                raise
+            except Exception as err:  # noqa: BLE001 - a pickle of another kind, or garbage
+                return f"{extra.name} is not a file torch.save wrote ({type(err).__name__}: {err})"
     except UnsafeCheckpointError as err:
         return f"not a checkpoint ({err})"
     except Exception as err:  # noqa: BLE001 - any unreadable part makes the checkpoint unusable
         return f"unreadable ({type(err).__name__}: {err})"
     return None
+
+
+def _own_named(path: Path) -> list[Path]:
+    """The small per-rank files a checkpoint of this library may hold (see rank_state, compression)."""
+    return [*path.glob("compression_rank*.pt"), *path.glob("rank_state*.pt")]

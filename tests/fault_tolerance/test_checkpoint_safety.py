@@ -89,6 +89,23 @@ def test_planted_payload_never_runs_and_the_folder_is_skipped(first_run: Path, t
     assert not marker.exists(), "the payload ran"
 
 
+def test_a_planted_file_under_one_of_its_own_names_is_named(first_run: Path, tmp_path: Path) -> None:
+    # A plain pickle as `rank_state0.pt` was refused, but as "unreadable (RuntimeError: mmap can only be used with
+    # files saved with torch.save...)", naming neither the file nor why; beside a manifest it was read at all.
+    folder = _copy(first_run, tmp_path)
+    marker = tmp_path / "marker"
+    listed = folder / "step=998.ckpt"
+    shutil.copytree(folder / "step=8.ckpt", listed)
+    (listed / "rank_state0.pt").write_bytes(pickle.dumps(Payload(str(marker))))
+    problem = checkpoint_problem(listed)
+    assert problem and problem.startswith("rank_state0.pt is named like its own files but not in its manifest"), problem
+    _plant(folder, folder / "step=8.ckpt", "step=999.ckpt", marker, "rank_state0.pt")
+    (folder / "step=999.ckpt" / "rank_state0.pt").write_bytes(pickle.dumps(Payload(str(marker))))  # not torch.save's
+    problem = checkpoint_problem(folder / "step=999.ckpt")
+    assert problem and problem.startswith("rank_state0.pt is not a file torch.save wrote (RuntimeError"), problem
+    assert not marker.exists(), "the payload ran"
+
+
 def test_corrupted_newest_checkpoint_is_reported_and_resume_falls_back(first_run: Path, tmp_path: Path) -> None:
     folder = _copy(first_run, tmp_path)
     shard = next((folder / "step=8.ckpt").glob("*.distcp"))
