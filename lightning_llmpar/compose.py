@@ -111,7 +111,7 @@ class Composed:
         with self.ignore.watch(training):
             yield
         if self.padded_mean is not None and method != "predict_step":
-            self.padded_mean.see(batch, "training" if training else "evaluation", self.ignore.value)
+            self.padded_mean.see(batch, "training" if training else "evaluation", self.ignore.noted())
 
     def aliases(self) -> dict[str, str]:
         """Copies of tied weights on pipeline stages: local name -> the name one process gives the weight."""
@@ -186,7 +186,7 @@ def compose(module: nn.Module, ctx: SetupContext) -> Composed:
                     checkpointing=_checkpoint_plan(ctx))
     default_count = options.count_tokens is count_target_tokens
     if default_count or options.count_tokens is None or layout.cp > 1:  # something counts the loss's targets
-        done.ignore = IgnoreIndex(ctx.device)
+        done.ignore = IgnoreIndex(ctx.device, decisive=default_count or layout.cp > 1)
     if options.count_tokens is not None:
         # Context-parallel ranks count the same whole batch (each weighs its own part, see context_parallel).
         # The default counter counts labels as the model's loss does (shifted for a causal LM, all for T5 or BERT)
@@ -217,6 +217,8 @@ def compose(module: nn.Module, ctx: SetupContext) -> Composed:
         done.runner.context_parallel = done.context_parallel
         done.runner.scale_loss = getattr(ctx.precision, "scale_loss", None)
     done.parallelized = parallelize(module, layout, mesh, done.config, stage_roots, ctx.checkpointing)
+    if (runner := done.runner) is not None and done.parallelized.expert_parallel is not None:
+        done.parallelized.expert_parallel.recording = lambda: not runner.inferring
     if layout.tp > 1 and done.config.sequence_parallel:  # transformers' output_hidden_states (modeling.hidden_states)
         apply_hidden_states_gather(module, mesh["tp"])
     if done.config.gradient_compression is not None:

@@ -291,6 +291,31 @@ def test_transformers_told_the_pad_token_as_ignore_index_under_context_paralleli
         _same_training(ref, two)
 
 
+def test_a_validation_loss_ignoring_another_index_than_training_is_counted_as_it_ignores() -> None:
+    # Training ignores -100 and settles the index; validation's loss ignores the pad token. Its steps were no longer
+    # watched, so "tokens" weighed the ranks' and microbatches' validation means counting the pads (val_loss 4.1707
+    # at dp2 ZeRO-3 and 4.1855 at pp2 where one process logs 4.1763). Evaluation's own index is read from its calls.
+    opts = {"padded": "pad_token", "steps": 2, "validate": True}
+    (ref,) = _cases(1, [("pad_token_validation", None, opts)])[0]
+    tokens = {"loss_normalization": "tokens"}
+    outs = _cases(2, [("pad_token_validation", {**tokens, "zero_stage": 3}, opts),
+                      ("pad_token_validation", {**tokens, "pipeline_parallel": 2}, opts)])
+    for two in outs:
+        _same_training(ref, two)
+        assert two[-1]["val_loss"] == pytest.approx(ref["val_loss"], abs=1e-5), (two[-1]["val_loss"], ref["val_loss"])
+
+
+def test_two_losses_over_as_many_targets_ignoring_different_indexes_are_refused_under_tokens() -> None:
+    # Which of them counts the step's tokens cannot be told: the first called won, and weighed the step by the
+    # second label set's count (weights 0.11 off one process at dp2 ZeRO-3). "mean" does not count: it runs.
+    opts = {"padded": True, "steps": 1}
+    outs = _cases(2, [("two_label_sets", {"zero_stage": 3, "loss_normalization": "tokens"}, opts),
+                      ("two_label_sets", {"zero_stage": 3}, opts)])
+    for out in outs[0]:
+        assert "ValueError: The training step's loss calls ignore different targets (ignore_index=-1 and -100)" in out["error"]
+    assert all("error" not in out for out in outs[1])
+
+
 def test_transformers_item_count_in_the_batch_is_shared_by_pipeline_microbatches() -> None:
     # A collate function that puts transformers' num_items_in_batch (the batch's valid targets) into the batch, as
     # its Trainer computes it: every pipeline microbatch divided its sum by the whole batch's count (logged loss

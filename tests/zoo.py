@@ -313,6 +313,33 @@ class PadTokenKwarg(HFCausalLM):
         return self.model(**batch, ignore_index=0).loss
 
 
+class PadTokenValidation(HFCausalLM):
+    """transformers' Llama trained on its own loss (-100 ignored; labels padded with the pad token, 0, which then
+    count), validated on a loss ignoring the pad token."""
+
+    def __init__(self, name: str = "", **kwargs: Any) -> None:
+        super().__init__("llama", **kwargs)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=0)
+        self.log("val_loss", loss, sync_dist=True)
+
+
+class TwoLabelSets(HFCausalLM):
+    """transformers' Llama with a second cross-entropy over as many targets (another label set, ignoring -1), first."""
+
+    def __init__(self, name: str = "", **kwargs: Any) -> None:
+        super().__init__("llama", **kwargs)
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        labels = batch["labels"][:, 1:]
+        second = torch.where(labels == -100, -1, (labels + 1) % VOCAB)
+        return (torch.nn.functional.cross_entropy(logits.flatten(0, 1), second.flatten(), ignore_index=-1)
+                + torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+
+
 class HiddenStatesLoss(HFCausalLM):
     """transformers' Llama with terms on its second layer's output and its final state (``output_hidden_states=True``),
     as regularizers and layer-wise distillation read them."""
@@ -333,7 +360,8 @@ class ReentrantCheckpointing(HFCausalLM):
         self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
 
 
-HF_VARIANTS = {"pad_token_loss": PadTokenLoss, "pad_token_kwarg": PadTokenKwarg, "hidden_states_loss": HiddenStatesLoss,
+HF_VARIANTS = {"pad_token_loss": PadTokenLoss, "pad_token_kwarg": PadTokenKwarg, "pad_token_validation": PadTokenValidation,
+               "two_label_sets": TwoLabelSets, "hidden_states_loss": HiddenStatesLoss,
                "reentrant_checkpointing": ReentrantCheckpointing}
 
 

@@ -29,11 +29,14 @@ _LOSSES = (F.cross_entropy, F.nll_loss)
 class _LossCalls(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
-        self.seen: tuple[int, int] | None = None  # (targets, ignore_index) of the call with the most targets
+        # (targets, ignore_index, another index of a call with as many targets, or the same) of the call with the most
+        self.seen: tuple[int, int, int] | None = None
 
     def note(self, target: torch.Tensor, index: int) -> None:
         if self.seen is None or target.numel() > self.seen[0]:
-            self.seen = (target.numel(), int(index))
+            self.seen = (target.numel(), int(index), int(index))
+        elif target.numel() == self.seen[0] and int(index) != self.seen[1]:
+            self.seen = (self.seen[0], self.seen[1], int(index))
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -55,17 +58,25 @@ def note_loss_call(target: torch.Tensor, ignore_index: int) -> None:
 
 class IgnoreIndex:
     """The loss's ignore index (``value``: -100 until a loss call says otherwise), watched over the first ``looks``
-    training steps that call one on some rank."""
+    training steps that call one on some rank; evaluation steps' own (``evaluated``), which may differ (a validation
+    loss over labels padded another way), over their first ``looks``. ``decisive``: the index counts targets
+    (``loss_normalization='tokens'``, context parallelism), so two losses that cannot be told apart are refused."""
 
-    def __init__(self, device: torch.device, looks: int = 8) -> None:
-        self.value, self.looks, self.device = IGNORE_INDEX, looks, device
+    def __init__(self, device: torch.device, looks: int = 8, decisive: bool = False) -> None:
+        self.value, self.looks, self.device, self.decisive = IGNORE_INDEX, looks, device, decisive
+        self.evaluated: int | None = None
+        self._evaluation_looks, self._training = looks, True
         self._mode: _LossCalls | None = None
 
     @contextmanager
     def watch(self, training: bool) -> Iterator[None]:
         """Around a step: its loss calls noted. Training steps then agree on the index across ranks (one small
         all-gather per watched step, every rank steps together); an evaluation step's note stays this rank's."""
-        if self.looks <= 0 or self._mode is not None:  # not watching, or a step inside a step (nothing new)
+        if self._mode is not None:  # a step inside a step (nothing new)
+            yield
+            return
+        self._training = training
+        if (self.looks if training else self._evaluation_looks) <= 0:
             yield
             return
         self._mode = mode = _LossCalls()
@@ -77,26 +88,40 @@ class IgnoreIndex:
             self._mode = None
             _watching.remove(mode)
         seen = mode.seen
-        if training:
-            self.looks -= 1
-            seen = _agreed(seen, self.device)
+        if not training:
+            if seen is not None:
+                self.evaluated, self._evaluation_looks = seen[1], 0
+            return
+        self.looks -= 1
+        seen = _agreed(seen, self.device)
         if seen is not None:
-            self.value = seen[1]
-            self.looks = 0 if training else self.looks
+            self.value, self.looks = seen[1], 0
+            if self.decisive and seen[2] != seen[1]:
+                raise ValueError(
+                    f"The training step's loss calls ignore different targets (ignore_index={seen[1]} and"
+                    f" {seen[2]}) over the same number of targets ({seen[0]}), so which of them counts the step's"
+                    " tokens (loss_normalization='tokens', context parallelism's weights) cannot be told. Pass"
+                    " loss_normalization=callable(batch) -> the number of targets to weigh the step by, or"
+                    " loss_normalization='mean' without context parallelism."
+                )
 
     def noted(self) -> int:
         """The index as far as known now: within a watched step, what its loss calls so far said (a pipeline's
-        last stage counts each microbatch right after its loss)."""
+        last stage counts each microbatch right after its loss); after an evaluation step, evaluation's own."""
         seen = self._mode.seen if self._mode is not None else None
-        return seen[1] if seen is not None else self.value
+        if seen is not None:
+            return seen[1]
+        if not self._training and self.evaluated is not None:
+            return self.evaluated
+        return self.value
 
 
-def _agreed(seen: tuple[int, int] | None, device: torch.device) -> tuple[int, int] | None:
+def _agreed(seen: tuple[int, int, int] | None, device: torch.device) -> tuple[int, int, int] | None:
     """The note of the rank that saw the most targets, on every rank (None where no rank saw a loss call)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return seen
-    mine = torch.tensor(seen if seen is not None else (-1, IGNORE_INDEX), dtype=torch.int64, device=device)
+    mine = torch.tensor(seen if seen is not None else (-1, IGNORE_INDEX, IGNORE_INDEX), dtype=torch.int64, device=device)
     notes = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(notes, mine)
     best = max(notes, key=lambda t: int(t[0]))
-    return (int(best[0]), int(best[1])) if int(best[0]) >= 0 else None
+    return (int(best[0]), int(best[1]), int(best[2])) if int(best[0]) >= 0 else None
