@@ -92,6 +92,8 @@ FULL: list[tuple[str, str]] = [
     ("tests/expert_parallel/test_expert_parallel.py::test_expert_parallel_is_exact[[]4-*]",
      "the four-rank launch: experts with TP, PP and ZeRO over four (the two-rank cases, ZeRO-3 among them, are fast)"),
     ("tests/expert_parallel/test_expert_parallel.py::test_expert_parallel_is_exact[[]8-*]", "the eight-rank launch"),
+    ("tests/expert_parallel/test_expert_parallel.py::test_routing_metrics_under_a_pipeline_count_each_step_once",
+     "the four-rank launch's results"),
     ("tests/precision/test_precision.py::test_precision_tracks_fp32_under_layouts[[]bf16-mixed-pp2-tp2]",
      "bf16 on two layouts is fast"),
     ("tests/precision/test_precision.py::test_precision_tracks_fp32_under_layouts[[]fp16-pp2]",

@@ -84,6 +84,7 @@ class ExpertParallel:
         self.counts: dict[str, Tensor] = {}  # assignments per global expert, per layer, this step
         self.dropped = 0
         self.bytes_sent = 0
+        self.recording: Callable[[], bool] = lambda: True  # False on a pipeline's shape-learning run (compose)
 
     def shard(self, mesh: DeviceMesh) -> None:
         """Keep this rank's block of experts: a DTensor sharded on dim 0 over 'ep' (in front of a tensor-parallel
@@ -134,8 +135,9 @@ class ExpertParallel:
         module.forward = forward  # type: ignore[method-assign]
 
     def _record(self, name: str, routing: Any, hidden: Tensor) -> None:
-        # Training forwards only, and not activation checkpointing's recomputation (it runs inside backward).
-        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        # Training forwards only: not activation checkpointing's recomputation (it runs inside backward), nor a
+        # pipeline stage's run on placeholders.
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1 or not self.recording():
             return
         counts = routing.counts.detach()
         self.counts[name] = self.counts[name] + counts if name in self.counts else counts.clone()

@@ -72,7 +72,7 @@ class PipelineRunner:
         self.step_tokens = 1.0
         self._stash: dict[nn.Parameter, Tensor | None] = {}
         self._accumulate = 1
-        self._inferring = 0
+        self.inferring = 0  # > 0 while a stage learns shapes on placeholders (see _mark_metadata_inference)
         self._last_stage_running = False
         self.defer_reduction = False  # in a micro-step that is not the optimizer step's last (see deferring_reduction)
         # Loss scaling (FP16): the schedule runs backward itself, so the scale is applied per microbatch.
@@ -96,7 +96,7 @@ class PipelineRunner:
     def counting(self) -> bool:
         """True while the step runs as one process's would, a microbatch at a time: on the last stage, and not on
         the placeholders a stage learns shapes from. State a step keeps itself should count only then."""
-        return self._last_stage_running and not self._inferring
+        return self._last_stage_running and not self.inferring
 
     def _build_stages(self) -> list[PipelineStage]:
         if self._stages is None:
@@ -149,11 +149,11 @@ class PipelineRunner:
                 continue
 
             def flagged(*args: Any, __orig: Callable = original, **kwargs: Any) -> Any:
-                self._inferring += 1
+                self.inferring += 1
                 try:
                     return __orig(*args, **kwargs)
                 finally:
-                    self._inferring -= 1
+                    self.inferring -= 1
 
             setattr(stage, attr, flagged)
         to_tensor = getattr(stage, "_to_tensor", None)
@@ -247,7 +247,7 @@ class PipelineRunner:
         def call() -> Any:
             self._last_stage_running = last
             try:
-                with frozen_metrics(self.module) if self._inferring else nullcontext():
+                with frozen_metrics(self.module) if self.inferring else nullcontext():
                     return getattr(self.module, self._method)(batch, *self._step_args)
             finally:
                 self._last_stage_running = False
@@ -261,7 +261,7 @@ class PipelineRunner:
             # over the cp ranks is one process's).
             loss = loss * cp.weight()
             out = {**out, "loss": loss} if isinstance(out, dict) else loss
-        if not self._inferring:
+        if not self.inferring:
             self._outputs.append(out)
             if self._method == "training_step":
                 self._raw_losses.append(raw)
@@ -269,8 +269,8 @@ class PipelineRunner:
                 self._tokens_of.append(eval_tokens(self.tokens, full))
         if self._method == "training_step":
             if self.tokens is not None:
-                n = self.tokens.count(full) if self._inferring else self.tokens.add(full)
-                if not self._inferring:
+                n = self.tokens.count(full) if self.inferring else self.tokens.add(full)
+                if not self.inferring:
                     self._tokens_of.append(n)
                 return loss * n
             return loss
@@ -291,7 +291,7 @@ class PipelineRunner:
         placeholder = torch.zeros(size, device=self.device)  # the loss lives in the stage output, not a target
         start = time.perf_counter()
         self.timeline = []
-        with captured_logs(self.module, keep=lambda: not self._inferring) as self._logged:
+        with captured_logs(self.module, keep=lambda: not self.inferring) as self._logged:
             if training:
                 self._stash_grads()
                 with self._context_parallel_step():

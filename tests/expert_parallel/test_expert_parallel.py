@@ -125,6 +125,14 @@ def test_routing_metrics_count_every_assignment() -> None:
     assert _routing(results(2)[0][("mixtral", "cp2_capacity")]) == _routing(results(2)[0][("mixtral", "ep2")])
 
 
+def test_routing_metrics_under_a_pipeline_count_each_step_once() -> None:
+    # A stage's first run on placeholders, which teaches the schedule the shapes, routed them too: step 0 counted
+    # 1280 assignments where every step has 1024 (and the bytes sent for them).
+    per_step = 8 * SEQ * 2 * 4
+    for out in (r[("gpt_moe", "ep2_pp2")] for r in results(4)):
+        assert [sum(v for k, v in m.items() if k.startswith("moe/expert_")) for m in out["metrics"]] == [per_step] * STEPS
+
+
 def test_capacity_drops_tokens_and_says_so() -> None:
     outs = [r[("gpt_moe", "ep2_drops")] for r in results(2)]
     for out in outs:
