@@ -63,6 +63,7 @@ class LossParallel:
         self._mode: _SplitLogitsMode | None = None
         self._unrecorded = False  # the step ran ops on split logits without recording them (a reentrant checkpoint)
         self._warned = False
+        self.why = ""  # what kept the last cross-entropy from running in parallel
         # What the heads handed out split (for checks and benchmarks): steps, this rank's bytes of the last logits,
         # and the ops that needed them gathered.
         self.split_steps = 0
@@ -117,15 +118,16 @@ class LossParallel:
     def gathered(self, what: str) -> None:
         """An op needed the whole logits: refuse it (strict) or note it once."""
         self.gathered_ops.add(what)
+        why, self.why = self.why, ""
         message = (
-            f"the training step computes `{what}` on the LM head's logits, which loss parallelism keeps split over the"
+            f"the training step computes `{what}` on the LM head's logits{why}, which loss parallelism keeps split over the"
             " vocabulary; it needs them whole, so they are gathered over the tensor-parallel ranks for it (the memory"
             " loss parallelism saves is spent again)."
         )
         if self.strict:
             raise ValueError(
                 f"loss_parallel=True: {message} Compute only the cross-entropy on the logits in the training step"
-                " (metrics such as accuracy in validation_step), or set loss_parallel='auto' to gather them where"
+                f"{' without it' if why else ''} (metrics such as accuracy in validation_step), or set loss_parallel='auto' to gather them where"
                 " such an op needs them, or loss_parallel=False."
             )
         if not self._warned:
@@ -242,21 +244,24 @@ def _loss_ops() -> Iterator[None]:
         context.__exit__(None, None, None)
 
 
-def _parallel_cross_entropy(args: tuple, kwargs: dict) -> Tensor | None:
-    """``F.cross_entropy`` on split logits in parallel, or None where torch's loss_parallel does not apply."""
+def _parallel_cross_entropy(args: tuple, kwargs: dict) -> Tensor | str:
+    """``F.cross_entropy`` on split logits in parallel, or what it was given that torch's loss_parallel does not take."""
     try:
         bound = _CE.bind(*args, **kwargs)
     except TypeError:
-        return None
+        return "arguments cross_entropy does not take"
     bound.apply_defaults()
     a = bound.arguments
     x, target, weight = a["input"], a["target"], a["weight"]
     class_dim = 1 if x.dim() >= 2 else 0
-    if (a["size_average"] is not None or a["reduce"] is not None or a["label_smoothing"] != 0.0
-            or x.placements != (Shard(class_dim),) and x.placements != (Shard(class_dim - x.dim()),)
-            or not isinstance(target, Tensor) or isinstance(target, DTensor) or target.is_floating_point()
-            or isinstance(weight, DTensor) or a["reduction"] not in ("mean", "sum", "none")):
-        return None
+    unsupported = {"size_average/reduce": a["size_average"] is not None or a["reduce"] is not None,
+                   f"label_smoothing={a['label_smoothing']}": a["label_smoothing"] != 0.0,
+                   "logits split on another dimension": x.placements not in ((Shard(class_dim),), (Shard(class_dim - x.dim()),)),
+                   "soft (probability) or split targets": not isinstance(target, Tensor) or isinstance(target, DTensor)
+                   or target.is_floating_point(), "a split class weight": isinstance(weight, DTensor),
+                   f"reduction={a['reduction']!r}": a["reduction"] not in ("mean", "sum", "none")}
+    if any(unsupported.values()):
+        return next(k for k, v in unsupported.items() if v)
     _check_targets(target, x.shape[class_dim], a["ignore_index"])
     note_loss_call(target, a["ignore_index"])  # what the step's token counts skip (training.ignore_index)
     if torch.is_grad_enabled() and x.requires_grad:
@@ -330,8 +335,9 @@ class _SplitLogitsMode(TorchFunctionMode):
         args, kwargs = _scalars_replicated(raw, split[0].device_mesh)
         if func is F.cross_entropy and _is_split(args[0] if args else kwargs.get("input")):
             loss = _parallel_cross_entropy(args, kwargs)
-            if loss is not None:
+            if isinstance(loss, Tensor):
                 return loss
+            self.owner.why = f" with {loss} (which torch's parallel cross-entropy does not take)"
         if _in_place(func):
             try:
                 return func(*args, **kwargs)

@@ -84,6 +84,7 @@ _OTHER_LOSSES = {
     "checkpointed": _chunks_checkpointed,
     "compiled": lambda m, x, y: m.compiled_loss(m(x), y),
     "fused_linear": _fused_linear,
+    "smoothed": lambda m, x, y: F.cross_entropy(m(x).reshape(-1, VOCAB), y.reshape(-1), label_smoothing=0.1),
 }
 
 
@@ -154,10 +155,10 @@ OFF = {"tensor_parallel": 2, "loss_parallel": False}
 
 
 def test_example_gpt_loss_parallel_exact_and_other_uses_of_the_logits() -> None:
-    extras = ["", "accuracy", "z_loss", "tokens"]
+    extras = ["", "accuracy", "z_loss", "tokens", "smoothed"]
     refs = run_ranks(_gpt_cases, 1, [(e, None) for e in extras])[0]
     cases = [("", STRICT), ("", OFF), ("accuracy", TP2), ("z_loss", TP2), ("tokens", STRICT), ("accuracy", STRICT),
-             ("in_place", TP2)]
+             ("in_place", TP2), ("smoothed", TP2), ("smoothed", STRICT)]
     outs = run_ranks(_gpt_cases, 2, cases, timeout=600)
     get = [o[("", repr(STRICT))] for o in outs]
     # The plain cross-entropy: split, exact, and each rank held half of the logits (4 x 16 x 96 fp32 = 24 KiB whole).
@@ -168,18 +169,22 @@ def test_example_gpt_loss_parallel_exact_and_other_uses_of_the_logits() -> None:
     assert_exact(refs[("", "None")], off, sharded=False)
     assert all(o["split_steps"] == 0 for o in off)
     # Other ops on the logits ('auto'): gathered for them, exact, one warning naming the op.
-    for extra, op in [("accuracy", "argmax"), ("z_loss", "logsumexp")]:
+    # (a cross-entropy with label smoothing too: the parallel one does not take it, which the message says)
+    for extra, op, said in [("accuracy", "argmax", "argmax"), ("z_loss", "logsumexp", "logsumexp"),
+                            ("smoothed", "cross_entropy", "with label_smoothing=0.1")]:
         runs = [o[(extra, repr(TP2))] for o in outs]
         assert_exact(refs[(extra, "None")], runs, sharded=False)
         assert all(any(op in g for g in o["gathered"]) for o in runs), [o["gathered"] for o in runs]
-        assert len(runs[0]["warnings"]) == 1 and op in runs[0]["warnings"][0] and not runs[1]["warnings"]  # rank 0's
+        assert len(runs[0]["warnings"]) == 1 and said in runs[0]["warnings"][0] and not runs[1]["warnings"]  # rank 0's
     # Per-token losses with the classes in dim 1 stay parallel; the logits the step returns come out whole.
     tokens = [o[("tokens", repr(STRICT))] for o in outs]
     assert_exact(refs[("tokens", "None")], tokens, sharded=False)
     assert all(o["outputs"][0] == f"Tensor({BATCH}, {SEQ}, {VOCAB})" for o in tokens), tokens[0]["outputs"]
     # loss_parallel=True refuses what would gather the logits, naming the op; an in-place change is refused always.
     for extra, kw, words in [("accuracy", STRICT, ["loss_parallel=True", "argmax", "loss_parallel='auto'"]),
-                             ("in_place", TP2, ["in place", "__setitem__", "loss_parallel=False"])]:
+                             ("in_place", TP2, ["in place", "__setitem__", "loss_parallel=False"]),
+                             ("smoothed", STRICT, ["`cross_entropy`", "with label_smoothing=0.1 (which", "cross-entropy"
+                                                   " on the logits in the training step without it"])]:
         errors = [o[(extra, repr(kw))].get("error", "") for o in outs]
         assert all(all(w in e for w in words) for e in errors), errors[0][-2000:]
 
