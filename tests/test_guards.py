@@ -32,11 +32,28 @@ from tests.workloads import TokenData, fit, fit_error, make_gpt
         ({"loss_normalization": "sum"}, r"`loss_normalization` must be 'mean', 'tokens' or a callable"),
         ({"sharding_backend": "deepspeed", "loss_normalization": "tokens"}, r"loss_normalization='tokens' .* DeepSpeed"),
         ({"timeout": -3.0}, r"`timeout` must be a positive number of seconds or a datetime.timedelta, got -3.0"),
+        # (these two were accepted: the plan ignored at tp=1, the factor failing at set-up on every rank)
+        ({"tp_plan": {"model.mlp": "colwise"}}, r"tp_plan=\{'model.mlp': 'colwise'\} splits .* but tensor_parallel=1"),
+        ({"expert_capacity_factor": float("nan")}, r"`expert_capacity_factor` must be a positive number .* got nan"),
     ],
 )
 def test_options_that_would_be_ignored_are_refused(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LLMParallelStrategy(**kwargs)
+
+
+def test_callback_arguments_that_would_misbehave_are_refused() -> None:
+    # window=0 switched spike detection off silently; every_n_steps=0 divided by zero at the first step.
+    from lightning_llmpar.callbacks.timeline import PipelineTimeline
+    from lightning_llmpar.fault_tolerance.callbacks import StepGuard
+
+    with pytest.raises(ValueError, match=r"StepGuard: spike_factor=0.5, window=0: spike_factor must be a number above 1"):
+        StepGuard(spike_factor=0.5, window=0)
+    with pytest.raises(ValueError, match=r"StepGuard: check_replicas_every=-1"):
+        StepGuard(check_replicas_every=-1)
+    with pytest.raises(ValueError, match=r"PipelineTimeline: `every_n_steps` must be an integer >= 1, got 0"):
+        PipelineTimeline(every_n_steps=0)
+    StepGuard(spike_factor=3.0, window=5, check_replicas_every=10)  # good ones pass
 
 
 def test_evaluation_data_the_data_parallel_ranks_do_not_divide_is_named() -> None:
@@ -474,13 +491,17 @@ def test_llmpar_verify_passes_on_a_good_layout(tmp_path: Path) -> None:
     assert "args parameter is intended" not in result.stderr  # LightningCLI saw verify's own arguments
 
 
-def test_llmpar_verify_refuses_steps_below_one(capsys: pytest.CaptureFixture[str]) -> None:
+def test_llmpar_verify_refuses_steps_below_one_and_a_tolerance_not_above_zero(capsys: pytest.CaptureFixture[str]) -> None:
     # --steps 0 trained the whole epoch twice and passed.
     from lightning_llmpar.cli.main import verify
 
     with pytest.raises(SystemExit) as exit_info:
         verify(["--config", "any.yaml", "--steps", "0"])
     assert exit_info.value.code == 2 and "--steps must be at least 1, got 0" in capsys.readouterr().err
+    # --tolerance -1 ran and printed that the layout does not reproduce one process: a false verdict.
+    with pytest.raises(SystemExit) as exit_info:
+        verify(["--config", "any.yaml", "--tolerance", "-1"])
+    assert exit_info.value.code == 2 and "--tolerance must be a positive relative difference" in capsys.readouterr().err
 
 
 def test_a_missing_model_directory_is_named() -> None:

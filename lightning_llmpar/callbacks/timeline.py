@@ -51,6 +51,9 @@ class PipelineTimeline(Callback):
     """
 
     def __init__(self, every_n_steps: int = 10, picture_at_step: int = 5) -> None:
+        for name, value, least in (("every_n_steps", every_n_steps, 1), ("picture_at_step", picture_at_step, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"PipelineTimeline: `{name}` must be an integer >= {least}, got {value!r}.")
         self.every, self.picture_at = every_n_steps, picture_at_step
         self.last_picture: Path | None = None
 

@@ -201,6 +201,8 @@ def verify(args: list[str]) -> int:
     opts, overrides = parser.parse_known_args(args)
     if opts.steps < 1:  # the batch count would never be reached: the whole epoch, twice
         parser.error(f"--steps must be at least 1, got {opts.steps}")
+    if not opts.tolerance > 0:  # a verdict against a negative (or NaN) tolerance would always be FAIL
+        parser.error(f"--tolerance must be a positive relative difference such as 1e-4, got {opts.tolerance}")
     if opts.devices is not None:
         overrides += ["--trainer.devices", str(opts.devices)]
     # LightningCLI reads sys.argv too (and names it in its errors): make it this command's alone.

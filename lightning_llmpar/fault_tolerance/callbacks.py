@@ -204,6 +204,16 @@ class StepGuard(Callback):
         check_replicas_every: int = 0,
         stop_checkpoint: str | None = None,
     ) -> None:
+        bad = {name: value for name, value, ok in (
+            ("spike_factor", spike_factor, spike_factor is None or (isinstance(spike_factor, (int, float)) and spike_factor > 1)),
+            ("window", window, isinstance(window, int) and window >= 1),
+            ("max_consecutive_bad", max_consecutive_bad, isinstance(max_consecutive_bad, int) and max_consecutive_bad >= 1),
+            ("check_replicas_every", check_replicas_every, isinstance(check_replicas_every, int) and check_replicas_every >= 0),
+        ) if not ok or isinstance(value, bool)}
+        if bad:
+            raise ValueError(f"StepGuard: {', '.join(f'{k}={v!r}' for k, v in bad.items())}: spike_factor must be a number"
+                             " above 1 (a loss above that many times the recent mean is a spike) or None, window and"
+                             " max_consecutive_bad positive integers, check_replicas_every an integer >= 0 (0: never).")
         self.spike_factor, self.max_bad, self.check_every = spike_factor, max_consecutive_bad, check_replicas_every
         self.recent: deque[float] = deque(maxlen=window)
         self.consecutive_bad = 0

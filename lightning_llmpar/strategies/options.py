@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -123,7 +124,7 @@ def _check_context_parallel(a: dict[str, Any]) -> None:
 def _check_expert_parallel(a: dict[str, Any], zero_bubble: bool) -> None:
     positive_int("expert_parallel", a["expert_parallel"])
     factor = a["expert_capacity_factor"]
-    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0):
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < math.inf):
         raise ValueError(
             f"LLMParallelStrategy: `expert_capacity_factor` must be a positive number (1.25 lets each expert take 25%"
             f" more than its even share of tokens) or None (drop nothing), got {factor!r}."
@@ -271,6 +272,9 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
         raise ValueError(f"`start_method` must be one of {get_args(START_METHODS)}, got {a['start_method']!r}.")
     if a["tp_plan"] is not None and not isinstance(a["tp_plan"], Mapping):
         raise ValueError(f"`tp_plan` must map module-name patterns to style names, got {type(a['tp_plan']).__name__}.")
+    if a["tp_plan"] and a["tensor_parallel"] == 1:
+        raise ValueError(f"LLMParallelStrategy: tp_plan={dict(a['tp_plan'])!r} splits modules over tensor parallelism,"
+                         " but tensor_parallel=1. Set tensor_parallel > 1 or remove it.")
     degrees = {k: a[k] for k in ("tensor_parallel", "pipeline_parallel", "data_parallel", "data_parallel_replicate",
                                  "zero_stage", "context_parallel", "expert_parallel")}
     count = None if norm == "mean" else count_target_tokens if norm == "tokens" else norm
