@@ -62,7 +62,8 @@ def test_v_schedules_validate_between_steps(schedule: str) -> None:
     assert_pipeline_parity(ref, outs)
     for out in outs:
         for key, value in ref["val"].items():
-            assert abs(out["val"][key] - value) < 1e-5, (key, out["val"][key], value)
+            # (perplexity is exp(loss): 1e-5 on a loss near 3.8 is 4.6e-4 on its 46, so it is compared relatively)
+            assert out["val"][key] == pytest.approx(value, abs=1e-5, rel=1e-6), (key, out["val"][key], value)
 
 
 LAYOUTS_3D = [
