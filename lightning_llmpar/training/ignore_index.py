@@ -89,8 +89,8 @@ class IgnoreIndex:
             _watching.remove(mode)
         seen = mode.seen
         if not training:
-            if seen is not None:
-                self.evaluated, self._evaluation_looks = seen[1], 0
+            self._evaluation_looks = 0 if seen is not None else self._evaluation_looks - 1
+            self.evaluated = seen[1] if seen is not None else self.evaluated
             return
         self.looks -= 1
         seen = _agreed(seen, self.device)
