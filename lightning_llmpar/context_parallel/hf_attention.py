@@ -13,6 +13,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_llmpar.modeling.structure import is_transformers
+
 __all__ = ["ATTENTION_NAME", "prepare_hf_attention"]
 
 ATTENTION_NAME = "llmpar_context_parallel"
@@ -60,11 +62,7 @@ def _register() -> None:
 
 def prepare_hf_attention(module: nn.Module, active: Callable[[], bool]) -> bool:
     """Switch every transformers model in ``module`` to the mask-free causal attention; True if there was one."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return False
-    models = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
+    models = [m for m in module.modules() if is_transformers(m, "PreTrainedModel")]
     if not models:
         return False
     _state["active"] = active

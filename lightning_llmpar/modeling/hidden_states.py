@@ -16,15 +16,13 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_llmpar.modeling.structure import is_transformers
+
 __all__ = ["EarlierStageState", "StageHiddenStates", "apply_hidden_states_gather", "apply_stage_hidden_states"]
 
 
 def _models(module: nn.Module) -> list[nn.Module]:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return []
-    return [m for m in module.modules() if isinstance(m, PreTrainedModel)]
+    return [m for m in module.modules() if is_transformers(m, "PreTrainedModel")]
 
 
 def _recorded(output: Any) -> tuple | None:

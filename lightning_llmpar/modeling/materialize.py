@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_llmpar.modeling.head_counts import whole_counts
 from lightning_llmpar.modeling.packing import Packing, to_packed
+from lightning_llmpar.modeling.structure import is_transformers
 from lightning_llmpar.modeling.ties import TiedWeight, retie
 
 __all__ = ["has_meta_tensors", "materialize", "pretrained_models"]
@@ -31,13 +32,9 @@ def has_meta_tensors(module: nn.Module) -> bool:
 
 def pretrained_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost transformers ``PreTrainedModel`` instances inside ``module``, with their names."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return []
     found: list[tuple[str, nn.Module]] = []
     for name, sub in module.named_modules():
-        if isinstance(sub, PreTrainedModel) and not any(name.startswith(f + ".") or f == "" for f, _ in found):
+        if is_transformers(sub, "PreTrainedModel") and not any(name.startswith(f + ".") or f == "" for f, _ in found):
             found.append((name, sub))
     return found
 

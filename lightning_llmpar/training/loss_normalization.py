@@ -17,6 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
+from lightning_llmpar.modeling.structure import is_transformers
 from lightning_llmpar.training.ignore_index import IGNORE_INDEX, IgnoreIndex
 
 __all__ = ["PaddedMeanWarning", "TokenNormalizer", "batch_targets", "count_target_tokens", "label_counter",
@@ -53,11 +54,7 @@ def model_shifts_labels(module: nn.Module) -> bool:
     """Whether a dict's ``labels`` are the inputs themselves, which the model shifts by one for its loss: true of
     transformers' causal LMs (and of a model of one's own, by this convention); not of encoder-decoders (T5, BART:
     the labels are the decoder's targets), masked LMs or classifiers, whose every label is a target."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return True
-    model = next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
+    model = next((m for m in module.modules() if is_transformers(m, "PreTrainedModel")), None)
     if model is None:
         return True
     if getattr(model.config, "is_encoder_decoder", False):
