@@ -79,7 +79,8 @@ def test_gpt_layouts_match_single_process(kwargs: dict[str, Any], world: int) ->
     _assert_sharded(outs, kwargs, world, "model.layers.0.attn.q_proj.weight", (32, 32))
 
 
-LLAMA_LAYOUTS = [p for p in LAYOUTS if p.id in ("tp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "hsdp-2x2", "tp2-dp2-zero3")]
+# The zoo runs transformers' Llama at tp2 and pp2, its tied sibling at ZeRO-3 and tp2 x pp2: here the layouts it does not.
+LLAMA_LAYOUTS = [p for p in LAYOUTS if p.id in ("dp2-zero2", "hsdp-2x2")]
 
 
 @pytest.mark.parametrize(("kwargs", "world"), LLAMA_LAYOUTS)

@@ -64,16 +64,6 @@ def test_repeated_lines_are_found_whatever_rank_printed_them() -> None:
     assert repeated_lines("[rank: 1] Seed set to 1234\n[rank: 2] Seed set to 1234") == ["Seed set to 1234"]
 
 
-def test_pipeline_run_prints_each_warning_once(tmp_path: Path) -> None:
-    # Two stages: rank 0 holds no loss, so its validation metric is never updated (torchmetrics warns per compute).
-    output = fit(tmp_path, "single.yaml", "--trainer.devices", "2", "--trainer.strategy.pipeline_parallel", "2",
-                 "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
-                 "--trainer.log_every_n_steps", "2", "--model.n_embd", "64", "--data.block_size", "32",
-                 "--data.max_bytes", "300000")
-    assert_quiet(output)
-    assert "llmpar: timeline" in output
-
-
 def test_main_job_prints_each_warning_once(tmp_path: Path) -> None:
     # The README's main job, shortened: eight processes, tensor-parallel norms over a sharded data-parallel axis.
     output = fit(tmp_path, "3d.yaml", "--trainer.max_steps", "4", "--trainer.val_check_interval", "2",

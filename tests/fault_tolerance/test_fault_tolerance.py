@@ -45,7 +45,7 @@ def _assert_same_run(
     assert len(set(first_epoch)) == len(first_epoch), "a sample was trained on twice in one epoch"
 
 
-TRIALS = [(trial, random.Random(trial).randint(1, STEPS - 2), trial % 2 == 1) for trial in range(5)]
+TRIALS = [(trial, random.Random(trial).randint(1, STEPS - 2), trial % 2 == 1) for trial in range(3)]
 
 
 @pytest.mark.parametrize(("trial", "kill_at", "in_save"), TRIALS, ids=[f"trial{t}" for t, _, _ in TRIALS])
