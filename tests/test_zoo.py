@@ -75,7 +75,7 @@ TWO_RANKS = {
 SHARDED = ["llama_tied", "qwen2_tied", "gpt2", "phi3", "gpt_neox", "mixtral", "qwen3_moe", "bloom", "falcon", "zamba2",
            "titan_tied", "litgpt_llama", "litgpt_mixtral", "litgpt_gemma2"]
 COMPOSED = ["llama_tied", "gpt2", "phi3", "mixtral", "qwen3_moe", "falcon_mqa", "titan_tied", "litgpt_llama",
-            "litgpt_gemma2", "litgpt_mixtral"]
+            "litgpt_gemma2", "litgpt_mixtral", "litgpt_falcon"]
 ONLY = {"dp2-zero1": LITGPT_MODELS, "dp2-zero3": SHARDED,
         "tp2-pp2": COMPOSED, "pp2": MODELS + MORE_MODELS + LITGPT_MODELS + TITAN,
         "tp4": ["qwen2_gqa", "gemma_mqa"], "dp2-tp2-zero3": ["gemma_mqa", "gpt_bigcode_mqa"]}
