@@ -67,8 +67,8 @@ class CheckpointPlan:
             raise ValueError(f"activation checkpointing mode={self.mode!r} is not one of {get_args(Mode)}.")
         if self.save not in get_args(Save):
             raise ValueError(f"activation checkpointing save={self.save!r} is not one of {get_args(Save)}.")
-        if self.every < 1:
-            raise ValueError(f"activation checkpointing every={self.every} must be at least 1.")
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"activation checkpointing every={self.every!r} must be a whole number of blocks, at least 1.")
         if self.mode == "budget" and (self.budget_mb is None or self.budget_mb <= 0):
             raise ValueError(
                 f"activation checkpointing mode='budget' needs budget_mb > 0 (got {self.budget_mb}): the activation"

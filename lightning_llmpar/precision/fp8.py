@@ -17,11 +17,16 @@ __all__ = ["convert_to_fp8", "fp8_candidates"]
 _FP8_MULTIPLE = 16  # FP8 matmul kernels need both dimensions divisible by 16
 
 
-def fp8_candidates(model: nn.Module, *, keep_first_last: bool = True, skip: list[str] | None = None) -> list[str]:
+def skip_patterns(skip: str | list[str] | None) -> list[str]:
+    """``skip`` as a list of name substrings: one string is one pattern (iterated, its letters were the patterns)."""
+    return [skip] if isinstance(skip, str) else list(skip or [])
+
+
+def fp8_candidates(model: nn.Module, *, keep_first_last: bool = True, skip: str | list[str] | None = None) -> list[str]:
     """Names of the linears that run in FP8: right shape, not skipped, weight not tied to another module's (an LM
     head sharing the embedding: torchao gives a converted layer a weight of its own, which would untie it), and
     (by default) not in the first or last block or outside the block stack (LM head, input projections)."""
-    return _sort_linears(model, keep_first_last, skip or [])["chosen"]
+    return _sort_linears(model, keep_first_last, skip_patterns(skip))["chosen"]
 
 
 def _sort_linears(model: nn.Module, keep_first_last: bool, skip: list[str]) -> dict[str, list[str]]:
@@ -57,7 +62,7 @@ def convert_to_fp8(
     *,
     float8_all_gather: bool,
     keep_first_last: bool = True,
-    skip: list[str] | None = None,
+    skip: str | list[str] | None = None,
 ) -> list[str]:
     """Convert in place; returns the converted module names. Raises if nothing qualifies."""
     try:
@@ -65,7 +70,7 @@ def convert_to_fp8(
     except ImportError as err:
         raise ImportError("FP8Precision needs torchao: pip install 'lightning_llmpar[fp8]'.") from err
 
-    linears = _sort_linears(model, keep_first_last, skip or [])
+    linears = _sort_linears(model, keep_first_last, skip_patterns(skip))
     chosen = set(linears["chosen"])
     if not chosen:
         why = {

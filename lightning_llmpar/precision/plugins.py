@@ -24,6 +24,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from lightning_llmpar.precision.fp8 import skip_patterns
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -197,7 +199,7 @@ class FP8Precision(_MeshPrecision, Precision):
         base: Literal["bf16-mixed", "32-true"] = "bf16-mixed",
         float8_all_gather: bool | None = None,
         keep_first_last: bool = True,
-        skip: list[str] | None = None,
+        skip: str | list[str] | None = None,
     ) -> None:
         if recipe not in get_args(Recipe):
             raise ValueError(f"FP8Precision(recipe={recipe!r}): recipe must be one of {get_args(Recipe)}.")
@@ -211,7 +213,7 @@ class FP8Precision(_MeshPrecision, Precision):
                 " float8_all_gather=False for rowwise scaling."
             )
         self.recipe, self.base, self.float8_all_gather = recipe, base, float8_all_gather
-        self.keep_first_last, self.skip = keep_first_last, list(skip or [])
+        self.keep_first_last, self.skip = keep_first_last, skip_patterns(skip)
         self.converted: list[str] = []
         self.compute_dtype = torch.float8_e4m3fn
         self._device = _default_device()

@@ -112,8 +112,9 @@ def test_checkpointing_under_pipeline() -> None:
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match=r"mode='some' is not one of"):
         ActivationCheckpointing(mode="some")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"every=0 must be at least 1"):
-        ActivationCheckpointing(mode="every_k", every=0)
+    for every in (0, 1.5, True):  # 1.5 ran, checkpointing blocks 0, 3, 6, ... (index % 1.5 == 0)
+        with pytest.raises(ValueError, match=rf"every={every!r} must be a whole number of blocks, at least 1"):
+            ActivationCheckpointing(mode="every_k", every=every)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"mode='budget' needs budget_mb > 0 \(got None\)"):
         ActivationCheckpointing(mode="budget")
     with pytest.raises(ValueError, match=r"budget_mb=10 is only read by mode='budget'"):

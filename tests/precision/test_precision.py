@@ -125,6 +125,10 @@ def test_fp8_candidates_respect_shape_and_first_last() -> None:
     everything = fp8_candidates(model, keep_first_last=False)
     assert "model.lm_head" in everything and any(".layers.0." in n for n in everything)
     assert not any("q_proj" in n for n in fp8_candidates(model, keep_first_last=False, skip=["q_proj"]))
+    # One string is one pattern: its letters were taken as patterns, keeping nearly every linear out of FP8.
+    assert fp8_candidates(model, keep_first_last=False, skip="q_proj") == fp8_candidates(
+        model, keep_first_last=False, skip=["q_proj"])
+    assert FP8Precision(skip="lm_head").skip == ["lm_head"]
     odd = nn.Sequential(nn.Linear(24, 20))
     assert fp8_candidates(odd, keep_first_last=False) == []  # 20 is not a multiple of 16
     # The advice names the reason (it advised more blocks or keep_first_last=False for a width FP8 cannot take).
