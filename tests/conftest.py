@@ -151,8 +151,6 @@ FULL: list[tuple[str, str]] = [
      "LoRA on seven families at tp2 and three four-rank layouts (LoRA with clipping and under EP stays fast)"),
     # The command end to end: each run imports Lightning, transformers and torch once per process (~20-40 s). Its
     # pipeline run, a run with nothing optional and the quiet first run stay fast.
-    ("tests/cli/test_cli.py::test_cli_mixture_of_experts_under_expert_parallel_*",
-     "expert parallelism from the command"),
     ("tests/cli/test_cli.py::test_litgpt_example_fine_tunes", "the LitGPT example (LitGPT is fast in the zoo)"),
     ("tests/cli/test_cli.py::test_hugging_face_example_fine_tunes_and_exports",
      "the Hugging Face example (its config is built fast; pretrained weights are fast in test_hf)"),
@@ -195,8 +193,6 @@ FULL: list[tuple[str, str]] = [
      "FP8 and bf16 'true' under Lightning's own strategy (the plugins under ours stay fast)"),
     ("tests/fault_tolerance/test_torchft.py::test_a_group_restarted_into_running_diloco_is_refused*",
      "a group restarted into a running DiLoCo job, refused (killed groups heal in the fast set)"),
-    ("tests/cli/test_cli.py::test_cli_logs_the_loss_one_process_logs*",
-     "the logged loss through llmpar fit at cp2 against one process (every layout is fast in test_logged_loss)"),
     ("tests/fault_tolerance/test_torchft.py::test_groups_started_apart_wait_for_each_other",
      "a second group started after the first reached its first step (the fast heal test's restarted group passes"
      " the same wait, finding the other heartbeating)"),

@@ -408,12 +408,12 @@ def _lighthouse() -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-@pytest.mark.parametrize("resumed", ["both", "one"])
-def test_a_dead_lighthouse_stops_every_group_and_checkpoints_carry_the_run_on(tmp_path: Path, resumed: str) -> None:
+def test_a_dead_lighthouse_stops_every_group_and_checkpoints_carry_the_run_on(tmp_path: Path) -> None:
     """Without the lighthouse no quorum can form. Each group must stop with an error that says so (neither hang
     nor loop over discarded steps) and commit no step after the lighthouse died. Checkpoints are the backstop:
     with a new lighthouse, both groups resume from their last FaultTolerantCheckpoint and end where one process
-    training on every group's batches ends; or one resumes and the other, started afresh, heals from it."""
+    training on every group's batches ends. (A group started afresh heals from a resumed one as from any other:
+    the killed-group tests.)"""
     steps, hold_at = 8, 3
     lighthouse, address = _lighthouse()
     groups = Groups(tmp_path, address)
@@ -439,11 +439,8 @@ def test_a_dead_lighthouse_stops_every_group_and_checkpoints_carry_the_run_on(tm
             assert f"the lighthouse at {address} is down" in (tmp_path / log).read_text(), groups.logs()
 
         lighthouse, groups.lighthouse = _lighthouse()
-        # A group started afresh does so without checkpoints (FaultTolerantCheckpoint refuses a fresh run into a
-        # folder holding another run's).
         resume = ["--checkpoint-every", str(hold_at), "--resume"]
-        args = {"0": resume, "1": resume if resumed == "both" else []}
-        procs = [groups.start(g, "--steps", str(steps), "--wait-ready", f"{other}_resume", *args[g], "--tag", "resume",
+        procs = [groups.start(g, "--steps", str(steps), "--wait-ready", f"{other}_resume", *resume, "--tag", "resume",
                               **timeout) for g, other in (("0", "1"), ("1", "0"))]
         assert [groups.wait(p) for p in (*procs, ref)] == [0, 0, 0], groups.logs()
     finally:
@@ -458,5 +455,4 @@ def test_a_dead_lighthouse_stops_every_group_and_checkpoints_carry_the_run_on(tm
     a, b, r = (_weights(tmp_path / f"{g}.pt") for g in ("0_resume", "1_resume", "ref_run"))
     for k in r:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
-        if resumed == "both":  # a group started afresh reads its shard of the epoch from the start (see the docs)
-            torch.testing.assert_close(a[k], r[k], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a[k], r[k], rtol=1e-5, atol=1e-5)
