@@ -70,12 +70,11 @@ TWO_RANKS = {
 # alike, so it runs on each kind of weight it handles differently: tied (embedding and head one parameter), fused
 # rows, experts (3-D and module lists), Conv1D, ALiBi, ModuleDict stacks, LitGPT, and Zamba2's shared block.
 # tp2 x pp2 composes each family's tensor-parallel plan (every family at tp2) with its split (every family at pp2):
-# it runs where the two meet differently (a tied embedding and head on two stages, fused rows and experts split on a
-# stage, a vocabulary the degree does not divide, one key/value head, ModuleDict stacks, LitGPT's rotary tables).
+# it runs where the two meet differently (a tied embedding and head on two stages, Conv1D and a vocabulary the
+# degree does not divide, experts split on a stage, one key/value head, a ModuleDict stack, LitGPT's rotary tables).
 SHARDED = ["llama_tied", "qwen2_tied", "gpt2", "phi3", "gpt_neox", "mixtral", "qwen3_moe", "bloom", "falcon", "zamba2",
            "titan_tied", "litgpt_llama", "litgpt_mixtral", "litgpt_gemma2"]
-COMPOSED = ["llama_tied", "gpt2", "phi3", "mixtral", "qwen3_moe", "falcon_mqa", "titan_tied", "litgpt_llama",
-            "litgpt_gemma2", "litgpt_mixtral", "litgpt_falcon"]
+COMPOSED = ["llama_tied", "gpt2", "mixtral", "falcon_mqa", "titan_tied", "litgpt_falcon"]
 ONLY = {"dp2-zero1": LITGPT_MODELS, "dp2-zero3": SHARDED,
         "tp2-pp2": COMPOSED, "pp2": MODELS + MORE_MODELS + LITGPT_MODELS + TITAN,
         "tp4": ["qwen2_gqa", "gemma_mqa"], "dp2-tp2-zero3": ["gemma_mqa", "gpt_bigcode_mqa"]}
