@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_llmpar.modeling.structure import find_block_stack
 
-__all__ = ["convert_to_fp8", "fp8_candidates"]
+__all__ = ["convert_to_fp8", "fp8_candidates", "skip_patterns"]
 
 _FP8_MULTIPLE = 16  # FP8 matmul kernels need both dimensions divisible by 16
 
