@@ -97,6 +97,9 @@ def test_spec_reads_litgpt_models_and_refuses_other_yaml(tmp_path: Path, monkeyp
     (tmp_path / "model.yaml").write_text("n_embd: 64\nn_layer: 2\n")
     with pytest.raises(ValueError, match="not a llmpar fit YAML .*n_embd, n_layer"):
         model_spec(tmp_path / "model.yaml")
+    (tmp_path / "broken.yaml").write_text("model:\n  init_args: {n_layer: 2\n")
+    with pytest.raises(ValueError, match=r"broken.yaml is not valid YAML: .* line 3"):
+        model_spec(tmp_path / "broken.yaml")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="model directory 'examples/litgpt/tiny-llama' does not exist here"):
         model_spec(ROOT / "examples/configs/litgpt.yaml")

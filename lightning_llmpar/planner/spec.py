@@ -180,7 +180,10 @@ def model_spec(source: str | Path | dict[str, Any]) -> ModelSpec:
     if path.suffix in (".yaml", ".yml") and path.is_file():
         import yaml
 
-        config = yaml.safe_load(path.read_text())
+        try:
+            config = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:  # one line naming the file and where, not the parser's traceback
+            raise ValueError(f"{path} is not valid YAML: {' '.join(str(err).split())}. Fix the file.") from None
         if not (isinstance(config, dict) and {"trainer", "model", "data"} & set(config)):
             # e.g. a model's own config, which would otherwise read as the default example GPT
             found = ", ".join(map(str, list(config)[:5])) if isinstance(config, dict) else type(config).__name__
