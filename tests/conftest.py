@@ -41,12 +41,12 @@ FULL: list[tuple[str, str]] = [
     ("tests/test_zoo.py::test_module_dict_keys_other_than_positions_under_sequence_parallelism",
      "ModuleDict keys other than positions at tp2 (the zoo's torchtitan-style cases are in this set too)"),
     ("tests/test_zoo.py::test_blocks_reading_values_from_before_the_stack_*", "Gemma 3n / Zamba2 on 2 and 4 ranks"),
-    # torch.compile: inductor builds C++ for every case, in one launch; the CLI's compiled run,
-    # test_replicate's compiled DDP case and test_regions' compiled regions stay fast.
+    # torch.compile: inductor builds C++ for every case, in one launch; test_replicate's compiled DDP case and
+    # test_regions' compiled regions stay fast.
     ("tests/test_compile.py::test_compiled_*train*", "each kind of layout compiled, against eager runs"),
     ("tests/test_compile.py::test_compiled_tensor_parallel_blocks_take_new_sequence_lengths*",
      "recompiles per sequence length"),
-    # Pretrained weights: ten families saved, trained at two layouts and exported (~2 min).
+    # Pretrained weights: ten families saved, trained at tp2 (four of them at tp2 x pp2 too) and exported.
     ("tests/checkpointing/test_hf.py::test_pretrained_round_trip[[]llama_tied-tp2]", "fast: tied, meta init, export"),
     ("tests/checkpointing/test_hf.py::test_pretrained_round_trip[[]mixtral-tp2-pp2]",
      "fast: experts, four ranks"),
