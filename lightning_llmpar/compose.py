@@ -43,6 +43,7 @@ from lightning_llmpar.pipeline.runner import PipelineRunner
 from lightning_llmpar.pipeline.setup import build_pipeline
 from lightning_llmpar.strategies.options import StrategyOptions
 from lightning_llmpar.tensor_parallel import Packing
+from lightning_llmpar.tensor_parallel.entries import check_plan_matches
 from lightning_llmpar.training.documents import apply_document_masking, refuse_packed_padding
 from lightning_llmpar.training.ignore_index import IgnoreIndex
 from lightning_llmpar.training.loss_normalization import (
@@ -179,6 +180,8 @@ def compose(module: nn.Module, ctx: SetupContext) -> Composed:
     options, layout, mesh = ctx.options, ctx.layout, ctx.mesh
     if options.block_stack is not None:
         mark_block_stack(module, options.block_stack)
+    if layout.tp > 1:  # on the whole model: a pipeline stage holds only some of the modules a plan names
+        check_plan_matches(module, options.tp_plan)
     hf_documents = apply_document_masking(module) > 0  # packed documents in transformers models (training.documents)
     if hasattr(ctx.precision, "convert_before_parallelism"):
         ctx.precision.convert_before_parallelism(module)

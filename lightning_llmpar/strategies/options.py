@@ -16,6 +16,7 @@ from lightning_llmpar.fault_tolerance.diloco import DiLoCoConfig, check_data_par
 from lightning_llmpar.fault_tolerance.replica_env import check_fault_tolerance
 from lightning_llmpar.layout import ZERO_STAGES
 from lightning_llmpar.pipeline.setup import ZERO_BUBBLE_SCHEDULES, PipelineConfig
+from lightning_llmpar.tensor_parallel.entries import check_plan_entries
 from lightning_llmpar.training.loss_normalization import count_target_tokens
 
 __all__ = ["START_METHODS", "BACKENDS", "StrategyOptions", "validate_options"]
@@ -272,6 +273,7 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
         raise ValueError(f"`start_method` must be one of {get_args(START_METHODS)}, got {a['start_method']!r}.")
     if a["tp_plan"] is not None and not isinstance(a["tp_plan"], Mapping):
         raise ValueError(f"`tp_plan` must map module-name patterns to style names, got {type(a['tp_plan']).__name__}.")
+    check_plan_entries(a["tp_plan"] or {})
     if a["tp_plan"] and a["tensor_parallel"] == 1:
         raise ValueError(f"LLMParallelStrategy: tp_plan={dict(a['tp_plan'])!r} splits modules over tensor parallelism,"
                          " but tensor_parallel=1. Set tensor_parallel > 1 or remove it.")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
@@ -87,6 +89,33 @@ TP_STYLES: dict[str, Any] = {
     "prepare_sequence": lambda: PrepareFirstInput(TOKEN, Replicate()),
     "replicate": lambda: None,
 }
+
+
+def check_plan_entries(plan: Mapping[Any, Any]) -> None:
+    """Refuse, before any process starts, a tp_plan whose keys are not name patterns or whose values name no style:
+    a style is only read where its pattern matches a module, so a misspelt one would surface late or never."""
+    for pattern, spec in plan.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"tp_plan keys are module-name patterns such as 'model.layers.*.mlp.up_proj', got {pattern!r}.")
+        if not isinstance(spec, Mapping) and spec not in TP_STYLES:
+            raise ValueError(
+                f"tp_plan[{pattern!r}] = {spec!r} is not a known style. Use one of {sorted(TP_STYLES)}, or a dict"
+                " {'style': 'colwise', 'sizes': [...]} for a fused projection."
+            )
+
+
+def check_plan_matches(model: nn.Module, plan: Mapping[str, Any]) -> None:
+    """Refuse a tp_plan pattern that names no module of ``model`` (the whole model, before a pipeline split): the
+    module it meant would be split by the inferred plan, or not at all, instead of as written."""
+    names = [n for n, _ in model.named_modules() if n]
+    for pattern in plan:
+        if not any(fnmatchcase(n, pattern) for n in names):
+            near = difflib.get_close_matches(pattern, names, n=3, cutoff=0.5)
+            hint = f" Nearest module names: {near}." if near else f" Its modules are named like {names[:3]}."
+            raise ValueError(
+                f"tp_plan pattern {pattern!r} matches no module of {type(model).__name__} (patterns are matched"
+                f" with fnmatch against names from named_modules(), e.g. 'model.layers.*.mlp.up_proj').{hint}"
+            )
 
 
 class SequenceParallelUnfit(Exception):

@@ -208,8 +208,13 @@ def test_a_split_weight_read_by_the_step_is_explained_and_a_whole_head_is_exact(
     # `hidden @ lm_head.weight.T` (a fused linear cross-entropy) mixed the split weight with a plain tensor and
     # failed inside DTensor naming only `aten.mm`; with the head kept whole by tp_plan it is exact.
     whole = {"tensor_parallel": 2, "tp_plan": {"model.lm_head": "replicate"}}
+    misspelt = {"tensor_parallel": 2, "tp_plan": {"model.lm_haed": "replicate"}}  # would have split the head
     ref = run_ranks(_gpt_cases, 1, [("fused_linear", None)])[0][("fused_linear", "None")]
-    outs = run_ranks(_gpt_cases, 2, [("fused_linear", OFF), ("fused_linear", whole)], timeout=600)
+    outs = run_ranks(_gpt_cases, 2, [("fused_linear", OFF), ("fused_linear", whole), ("fused_linear", misspelt)],
+                     timeout=600)
+    assert all("ValueError: tp_plan pattern 'model.lm_haed' matches no module of _GPT" in o[("fused_linear",
+               repr(misspelt))]["error"] and "'model.lm_head'" in o[("fused_linear", repr(misspelt))]["error"]
+               for o in outs), outs[0][("fused_linear", repr(misspelt))]
     errors = [o[("fused_linear", repr(OFF))].get("error", "") for o in outs]
     words = ["ValueError: tensor_parallel=2", "aten.mm", "lm_head.weight.T", "lm_head(hidden)", "'replicate'"]
     assert all(all(w in e for w in words) for e in errors), errors[0][-2000:]

@@ -30,6 +30,10 @@ from lightning_llmpar.tensor_parallel import infer_tp_plan
         ({"cpu_offload": True}, r"cpu_offload=True needs sharded state.*zero_stage to 1, 2 or 3"),
         ({"start_method": "thread"}, r"`start_method` must be one of"),
         ({"tp_plan": ["q_proj"]}, r"`tp_plan` must map module-name patterns"),
+        # Style names are checked where the strategy is built, also for a pattern that would match nothing.
+        ({"tensor_parallel": 2, "tp_plan": {"model.layers.*.mlp.up": "colwize"}},
+         r"tp_plan\['model.layers.\*.mlp.up'\] = 'colwize' is not a known style. Use one of \['colwise'"),
+        ({"tensor_parallel": 2, "tp_plan": {3: "colwise"}}, r"tp_plan keys are module-name patterns .* got 3"),
     ],
 )
 def test_strategy_arguments(kwargs: dict, match: str) -> None:
@@ -126,8 +130,15 @@ def test_unknown_linear_on_the_hidden_state_is_kept_whole() -> None:
 
 
 def test_explicit_plan_covers_what_inference_cannot() -> None:
+    from lightning_llmpar.tensor_parallel.entries import check_plan_matches
+
     plan = infer_tp_plan(_Stack(fused=False), 2, sequence_parallel=False, user_plan={"blocks.*.router": "replicate"})
     assert plan.styles["blocks.0.router"] is None
+    check_plan_matches(_Stack(fused=False), {"blocks.*.router": "replicate", "blocks.1.attn": "replicate"})
+    # A misspelt pattern would leave the module it meant to the inferred plan: refused, with the names nearest to it.
+    with pytest.raises(ValueError, match=r"tp_plan pattern 'blocks.\*.routr' matches no module of _Stack .*"
+                                         r"Nearest module names: \['blocks.1.router', 'blocks.0.router'"):
+        check_plan_matches(_Stack(fused=False), {"blocks.*.router": "replicate", "blocks.*.routr": "replicate"})
     with pytest.raises(ValueError, match=r"tp_plan\['blocks.\*.router'\] = 'diagonal' is not a known style"):
         infer_tp_plan(_Stack(fused=False), 2, user_plan={"blocks.*.router": "diagonal"})
 
