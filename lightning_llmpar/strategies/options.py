@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, get_args
 
+import torch.distributed
+
 from lightning_llmpar.checkpointing.hf_checkpoint import check_hf_directory
 from lightning_llmpar.checkpointing.litgpt_checkpoint import check_litgpt_directory
 from lightning_llmpar.context_parallel.attention import MODES as CP_MODES
@@ -187,6 +189,17 @@ def _check_pipeline(a: dict[str, Any]) -> PipelineConfig:
     )
 
 
+def _check_process_group_backend(name: Any) -> None:
+    # Lightning passes it to init_process_group as given, which fails only after the processes have started.
+    known = [b for b in torch.distributed.Backend.backend_list if b not in ("undefined", "fake")]
+    parts = [p.split(":")[-1].strip().lower() for p in name.split(",")] if isinstance(name, str) else [None]
+    if name is not None and not all(p in known for p in parts):
+        raise ValueError(
+            f"`process_group_backend` must be None (gloo on CPU, nccl on CUDA) or a torch.distributed backend such as"
+            f" {known} (or per device, 'cpu:gloo,cuda:nccl'), got {name!r}."
+        )
+
+
 def _check_backend(a: dict[str, Any]) -> tuple[dict[str, Any], CompressionConfig | None]:
     backend, compression = a["sharding_backend"], a["gradient_compression"]
     if backend not in get_args(BACKENDS):
@@ -269,6 +282,7 @@ def validate_options(a: dict[str, Any]) -> StrategyOptions:
             f"LLMParallelStrategy: `loss_normalization` must be 'mean', 'tokens' or a callable(batch) -> token count,"
             f" got {norm!r}."
         )
+    _check_process_group_backend(a["process_group_backend"])
     if a["start_method"] not in get_args(START_METHODS):
         raise ValueError(f"`start_method` must be one of {get_args(START_METHODS)}, got {a['start_method']!r}.")
     if a["tp_plan"] is not None and not isinstance(a["tp_plan"], Mapping):

@@ -34,6 +34,11 @@ from lightning_llmpar.tensor_parallel import infer_tp_plan
         ({"tensor_parallel": 2, "tp_plan": {"model.layers.*.mlp.up": "colwize"}},
          r"tp_plan\['model.layers.\*.mlp.up'\] = 'colwize' is not a known style. Use one of \['colwise'"),
         ({"tensor_parallel": 2, "tp_plan": {3: "colwise"}}, r"tp_plan keys are module-name patterns .* got 3"),
+        # Split points of another type, or too few for the stages, ran or failed only after the processes started.
+        ({"pipeline_parallel": 2, "pipeline_split_points": "2"}, r"pipeline_split_points='2' must be a list of 3"),
+        ({"pipeline_parallel": 2, "pipeline_split_points": [2.5, 3, 4]}, r"strictly increasing block indices >= 1"),
+        ({"pipeline_parallel": 2, "pipeline_split_points": [2]}, r"\[2\] must be a list of 3 .* e.g. \[1, 2, 3\]"),
+        ({"process_group_backend": "glo"}, r"`process_group_backend` must be None .* got 'glo'"),
     ],
 )
 def test_strategy_arguments(kwargs: dict, match: str) -> None:
