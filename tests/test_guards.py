@@ -54,6 +54,22 @@ def test_callback_arguments_that_would_misbehave_are_refused() -> None:
     with pytest.raises(ValueError, match=r"PipelineTimeline: `every_n_steps` must be an integer >= 1, got 0"):
         PipelineTimeline(every_n_steps=0)
     StepGuard(spike_factor=3.0, window=5, check_replicas_every=10)  # good ones pass
+    from lightning_llmpar.callbacks import ThroughputAndMemory
+    from lightning_llmpar.fault_tolerance.sampler import ResumableDistributedSampler
+
+    with pytest.raises(ValueError, match=r"ThroughputAndMemory: `log_every_n_steps` must be None or an integer >= 1, got -1"):
+        ThroughputAndMemory(log_every_n_steps=-1)
+    with pytest.raises(ValueError, match=r"ThroughputAndMemory: `peak_flops` must be None or a positive number, got 0"):
+        ThroughputAndMemory(peak_flops=0)
+    with pytest.raises(ValueError, match=r"`flops_per_token` must be None or a positive number, got nan"):
+        ThroughputAndMemory(flops_per_token=float("nan"))
+    ThroughputAndMemory(log_every_n_steps=5, flops_per_token=6e9, peak_flops=989e12)
+    with pytest.raises(ValueError, match=r"ResumableDistributedSampler: `num_replicas` must be an integer, got 2.0"):
+        ResumableDistributedSampler(list(range(8)), num_replicas=2.0)
+    with pytest.raises(ValueError, match=r"shuffle='no' True or False"):
+        ResumableDistributedSampler(list(range(8)), shuffle="no")
+    with pytest.raises(ValueError, match=r"num_replicas=0 must be >= 1"):
+        ResumableDistributedSampler(list(range(8)), num_replicas=0)
 
 
 def test_evaluation_data_the_data_parallel_ranks_do_not_divide_is_named() -> None:

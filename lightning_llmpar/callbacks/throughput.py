@@ -3,6 +3,7 @@ device (the compute dtype taken from the precision plugin), memory per rank."""
 
 from __future__ import annotations
 
+import math
 import resource
 import time
 from typing import Any
@@ -84,6 +85,14 @@ class ThroughputAndMemory(Callback):
     def __init__(
         self, log_every_n_steps: int | None = None, flops_per_token: float | None = None, peak_flops: float | None = None
     ) -> None:
+        # (log_every_n_steps=-1 logged every step; a negative or zero FLOP count logged a negative MFU or none.)
+        every = log_every_n_steps
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"ThroughputAndMemory: `log_every_n_steps` must be None or an integer >= 1, got {every!r}.")
+        for name, value in (("flops_per_token", flops_per_token), ("peak_flops", peak_flops)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"ThroughputAndMemory: `{name}` must be None or a positive number, got {value!r}.")
         self.every = log_every_n_steps
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops

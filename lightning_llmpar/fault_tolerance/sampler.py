@@ -23,6 +23,14 @@ class ResumableDistributedSampler(DistributedSampler):
     """
 
     def __init__(self, dataset: Sized, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0) -> None:
+        for name, value in (("num_replicas", num_replicas), ("rank", rank), ("seed", seed)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"ResumableDistributedSampler: `{name}` must be an integer, got {value!r}.")
+        if num_replicas < 1 or not isinstance(shuffle, bool):
+            raise ValueError(
+                f"ResumableDistributedSampler: num_replicas={num_replicas!r} must be >= 1 and shuffle={shuffle!r}"
+                " True or False."
+            )
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is not in [0, num_replicas={num_replicas}).")
         self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
