@@ -97,7 +97,7 @@ def check_plan_entries(plan: Mapping[Any, Any]) -> None:
     for pattern, spec in plan.items():
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"tp_plan keys are module-name patterns such as 'model.layers.*.mlp.up_proj', got {pattern!r}.")
-        if not isinstance(spec, Mapping) and spec not in TP_STYLES:
+        if not isinstance(spec, Mapping) and (not isinstance(spec, str) or spec not in TP_STYLES):
             raise ValueError(
                 f"tp_plan[{pattern!r}] = {spec!r} is not a known style. Use one of {sorted(TP_STYLES)}, or a dict"
                 " {'style': 'colwise', 'sizes': [...]} for a fused projection."
