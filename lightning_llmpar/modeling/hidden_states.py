@@ -57,7 +57,8 @@ def apply_hidden_states_gather(module: nn.Module, mesh: DeviceMesh) -> None:
 
 
 class EarlierStageState(ValueError):
-    """A hidden state of blocks on an earlier pipeline stage, read on the last."""
+    """State of blocks on an earlier pipeline stage read on the last (a hidden state, the example GPT's MoE
+    load-balancing losses): the message says what the stage lacks, so the pipeline's split check passes it on as is."""
 
 
 class StageHiddenStates(tuple):

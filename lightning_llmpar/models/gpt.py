@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_llmpar.modeling.hidden_states import EarlierStageState
 from lightning_llmpar.training.documents import (
     document_causal_mask,
     document_ids_from_positions,
@@ -236,7 +237,7 @@ class GPT(nn.Module):
         """The MoE layers' load-balancing losses of the last forward, summed (0 for a dense model)."""
         losses = [m.aux_loss for m in self.modules() if isinstance(m, MoE) and m.aux_loss is not None]
         if self.config.n_expert and len(losses) != self.config.n_layer:
-            raise ValueError(
+            raise EarlierStageState(
                 f"The load-balancing loss sums every MoE layer's, but the last forward ran {len(losses)} of"
                 f" {self.config.n_layer} here: under pipeline parallelism each stage runs its own layers and only the"
                 " last computes the loss. Set moe_aux_loss_coef=0 with pipeline_parallel > 1, or train this MoE with"
