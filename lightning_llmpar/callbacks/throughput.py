@@ -91,7 +91,7 @@ class ThroughputAndMemory(Callback):
             raise ValueError(f"ThroughputAndMemory: `log_every_n_steps` must be None or an integer >= 1, got {every!r}.")
         for name, value in (("flops_per_token", flops_per_token), ("peak_flops", peak_flops)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or value <= 0):
+                                      or not 0 < value < math.inf):
                 raise ValueError(f"ThroughputAndMemory: `{name}` must be None or a positive number, got {value!r}.")
         self.every = log_every_n_steps
         self.flops_per_token = flops_per_token

@@ -83,12 +83,12 @@ class PipelineConfig:
                 f"pipeline_microbatches={microbatches} is smaller than pipeline_parallel={degree}: some stages"
                 f" would never work at the same time. Use at least {degree} microbatches."
             )
-        if split_points is not None:
+        if split_points is not None:  # (given with pipeline_parallel=1 it was refused before this)
             stages = degree * virtual_stages
-            points = list(split_points) if isinstance(split_points, (list, tuple)) else None
+            points = list(split_points) if isinstance(split_points, (list, tuple)) else []
             # (A string or floats ran: '2' became ['2'], and 2.5 cut between blocks nowhere in particular.)
-            if points is None or not all(isinstance(p, int) and not isinstance(p, bool) for p in points) or (
-                    degree > 1 and (len(points) != stages - 1 or points != sorted(set(points)) or min(points) < 1)):
+            if len(points) != stages - 1 or not all(isinstance(p, int) and not isinstance(p, bool) for p in points) \
+                    or points != sorted(set(points)) or min(points) < 1:
                 raise ValueError(
                     f"pipeline_split_points={split_points!r} must be a list of {stages - 1} strictly increasing block"
                     f" indices >= 1 (where stages 1..{stages - 1} of {stages} start), e.g. {list(range(1, stages))}."
