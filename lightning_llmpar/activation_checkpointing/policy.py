@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -284,6 +285,8 @@ class ActivationCheckpointing(Callback):
                 "Activation checkpointing works per block; no stack of blocks (an nn.ModuleList, ModuleDict or"
                 f" Sequential of them) was found in {type(module).__name__}. Name it with block_stack='...'."
             )
+        if self.plan.mode != "none":
+            _leave_recomputation_to_the_plan(module, self.plan.mode)
         self.planner = wrap_blocks(stack.modules(), self.plan, stack.names(), _lockstep_groups(mesh), self.measure)
         self.applied = True
 
@@ -301,6 +304,26 @@ class ActivationCheckpointing(Callback):
         metrics = {f"activation_mb/{r['block']}": r["bytes"] / 2**20 for r in report}
         metrics["activation_mb/total"] = sum(r["bytes"] for r in report) / 2**20
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+
+
+def _leave_recomputation_to_the_plan(module: nn.Module, mode: Mode) -> None:
+    """transformers' checkpointing (``activation_checkpointing_enable()``, before 5.x ``gradient_checkpointing_enable()``)
+    wraps each layer's call in a checkpoint of its own, around the block this callback wraps. Every block it marks is
+    then recomputed in full whatever the plan says ('selective', 'every_k', 'budget'), and with
+    ``use_reentrant=True`` twice (three forwards per step). The plan is the more specific request, so transformers'
+    flag is turned off: blocks recompute as the plan says and no more."""
+    marked = [m for m in module.modules()
+              if getattr(m, "gradient_checkpointing", None) is True and hasattr(m, "_gradient_checkpointing_func")]
+    if not marked:
+        return
+    for m in marked:
+        m.gradient_checkpointing = False
+    rank_zero_warn(
+        f"ActivationCheckpointing(mode={mode!r}) decides which blocks recompute; transformers' own checkpointing"
+        " (activation_checkpointing_enable() or gradient_checkpointing_enable()) was on as well: it recomputes every"
+        " block in full whatever the plan says, and twice under use_reentrant=True. It is turned off for this model. To keep transformers' instead,"
+        " drop the ActivationCheckpointing callback."
+    )
 
 
 def _train_without_cache(module: nn.Module) -> None:

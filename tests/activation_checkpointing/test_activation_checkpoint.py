@@ -3,6 +3,7 @@ The activation measurement is checked against hand counts and the block formula.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -99,6 +100,42 @@ def test_measuring_a_transformers_llama_leaves_its_cache_alone() -> None:
 
     outs = run_ranks(fit, 1, "llama", None, batch_size=GLOBAL_BATCH, checkpointing={"mode": "none", "measure": True})
     assert_parity(reference_for("llama"), outs, 1)
+
+
+@pytest.mark.parametrize(("reentrant", "mode", "forwards"), [
+    pytest.param(True, "full", 2, id="reentrant-full"),  # was 3: recomputed by transformers' checkpoint and by ours
+    pytest.param(False, "every_k", 1, id="every_k"),  # was 2: block 1, which every_k keeps, recomputed all the same
+])
+def test_transformers_checkpointing_gives_way_to_the_plan(reentrant: bool, mode: str, forwards: int) -> None:
+    """A user who called ``activation_checkpointing_enable()`` and added the callback: transformers' checkpoint
+    around each layer's call and ours inside it. Reentrant, every block was recomputed twice in backward; either way
+    every block was recomputed in full, whatever the plan said. The plan's recomputation is now the one that runs,
+    with a warning, and gradients are those without any checkpointing."""
+    import transformers
+
+    from tests.zoo import make_config
+
+    def grads_and_forwards(checkpointing: bool, callback: bool) -> tuple[torch.Tensor, int]:
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(make_config("llama")).train()
+        if checkpointing:
+            model.activation_checkpointing_enable({"use_reentrant": reentrant})
+        if callback:
+            ActivationCheckpointing(mode=mode).apply(model)  # type: ignore[arg-type]
+        calls = []
+        model.model.layers[1].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+        ids = torch.randint(0, model.config.vocab_size, (2, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()]), len(calls)
+
+    reference, once = grads_and_forwards(False, False)
+    assert once == 1 and grads_and_forwards(True, False)[1] == 2  # the count sees transformers' recomputation
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grads, counted = grads_and_forwards(True, True)
+    assert counted == forwards
+    assert any("gradient_checkpointing_enable()) was on as well" in str(w.message) for w in caught), caught
+    torch.testing.assert_close(grads, reference, atol=0, rtol=0)
 
 
 def test_checkpointing_under_pipeline() -> None:
