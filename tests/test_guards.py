@@ -153,6 +153,63 @@ def test_tensor_parallel_ranks_reading_different_batches_are_stopped() -> None:
     assert "distributed_sampler_kwargs ({'num_replicas': 1, 'rank': 0} on this rank)" in message
 
 
+class _UnevenStream(torch.utils.data.IterableDataset):
+    """A stream sharded by the data-parallel rank (as it should be) whose parts differ in length: ``counts[rank]``."""
+
+    def __init__(self, counts: tuple[int, int], seed: int, pairs: bool = True) -> None:
+        self.counts, self.seed, self.pairs = counts, seed, pairs
+
+    def __iter__(self) -> Any:
+        rank = torch.distributed.get_rank()  # at dp2 the data-parallel rank
+        g = torch.Generator().manual_seed(self.seed + rank)
+        for _ in range(4 * self.counts[rank]):
+            tokens = torch.randint(0, 64, (17,), generator=g)
+            yield (tokens[:-1], tokens[1:]) if self.pairs else tokens[:-1]
+
+
+def _fit_uneven_streams() -> dict[str, Any]:
+    from tests.workloads import full
+
+    outs: dict[str, Any] = {}
+    for name, counts, val_counts in (("uneven", (5, 3), (2, 4)), ("even", (3, 3), (2, 2))):
+        torch.manual_seed(0)
+        module = make_gpt()
+        module.train_dataloader = lambda c=counts: DataLoader(_UnevenStream(c, 100), batch_size=4)  # type: ignore
+        module.val_dataloader = lambda c=val_counts: DataLoader(_UnevenStream(c, 200), batch_size=4)  # type: ignore
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(zero_stage=3, timeout=60),
+                          max_epochs=2, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module)
+        outs[name] = {"steps": trainer.global_step, "params": [full(p) for p in module.parameters()],
+                      "warnings": [str(w.message) for w in caught if "different numbers of batches" in str(w.message)]}
+    for zero in (0, 3):  # predicting needs the peers only where the forward gathers their weight shards
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(zero_stage=zero, timeout=60),
+                          logger=False, enable_progress_bar=False, enable_model_summary=False)
+        rows = DataLoader(_UnevenStream((3, 1), 300, pairs=False), batch_size=4)
+        outs[f"predicted at zero {zero}"] = len(trainer.predict(make_gpt(), rows))  # type: ignore[arg-type]
+    return outs
+
+
+def test_streams_that_end_unevenly_stop_every_rank_at_the_shortest() -> None:
+    # Rank 1's part of the stream ended two batches before rank 0's: it went on into the next epoch while rank 0
+    # trained on, their ZeRO-3 all-gathers pairing steps of different epochs, and rank 0 then waited for a peer that
+    # had finished (a hang on GPUs). Every rank now stops where the shortest part ends, training as even parts do.
+    outs = run_ranks(_fit_uneven_streams, 2, timeout=300)
+    for out in outs:
+        assert out["uneven"]["steps"] == out["even"]["steps"] == 6
+        for got, want in zip(out["uneven"]["params"], out["even"]["params"], strict=True):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+        assert not out["even"]["warnings"]
+    said = outs[0]["uneven"]["warnings"]
+    assert any("every rank stopped after 3," in m for m in said), said  # training's epochs, at 3 of 5 batches
+    assert any("every rank stopped after 2," in m for m in said), said  # validation, at 2 of rank 1's 4
+    assert not outs[1]["uneven"]["warnings"]  # said once, on rank zero
+    assert [o["predicted at zero 0"] for o in outs] == [3, 1]  # each rank predicts all it has
+    assert [o["predicted at zero 3"] for o in outs] == [1, 1]
+
+
 class _Manual(GPTModule):
     def __init__(self) -> None:
         super().__init__(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32)

@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lightning_llmpar.layout import ParallelLayout
 from lightning_llmpar.training.eval_logs import evaluation_logs
+from lightning_llmpar.training.even_streams import even_out_streams
 from lightning_llmpar.training.loaders import check_loader
 from lightning_llmpar.training.sync_groups import apply_metric_groups, log_group
 
@@ -216,8 +217,13 @@ class MeshStrategy(ParallelStrategy):
         ranks = self._dp_mesh.size() if self._dp_mesh is not None else 1
         # Runs unlike one process's, or not at all.
         zero = self._layout.zero_stage if self._layout is not None else 0  # (no layout before the launch)
-        check_loader(dataloader, getattr(self.lightning_module, "_trainer", None), ranks, zero)
-        return dataloader
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        check_loader(dataloader, trainer, ranks, zero)
+        # Or hangs: a stream that ends on one rank first (training.even_streams). Prediction without sharded or
+        # expert-parallel weights needs no data-parallel peer in its forward, so there each rank predicts all it has.
+        alone = (trainer is not None and trainer.predicting and not zero
+                 and (self._layout is None or self._layout.ep == 1))
+        return dataloader if alone else even_out_streams(dataloader)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
