@@ -526,3 +526,49 @@ def test_dropout_recomputed_under_checkpointing_draws_the_same_masks() -> None:
     for p, r in zip(plain, recomputed):
         for name, grad in p["grads"].items():
             torch.testing.assert_close(r["grads"][name], grad, atol=1e-6, rtol=0, msg=name)
+
+
+# ------------------------------------------------------------------- the inner model called outside a step
+class _SampleAtEpochEnd(Callback):
+    """Logits of the inner model at each training epoch's end, as a sampling callback would compute them."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x, self.logits = x, []
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        with torch.no_grad():
+            self.logits.append(pl_module.model(input_ids=self.x).logits)
+
+
+def _inner_model_outside_the_step(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    from tests.workloads import HFLlamaModule, TokenData, full
+
+    class SGDLlama(HFLlamaModule):  # SGD: Adam would hide a gradient-scale error
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    seed_everything(0)
+    module = SGDLlama(tie=True)
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    sample = _SampleAtEpochEnd(x)
+    trainer = Trainer(accelerator="cpu", devices=1 if kwargs is None else 2, max_epochs=2, limit_train_batches=2,
+                      strategy="auto" if kwargs is None else LLMParallelStrategy(**kwargs), callbacks=[sample],
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0)
+    trainer.fit(module, datamodule=TokenData(8 if kwargs is None else 4))  # the same global batches of 8
+    with torch.no_grad():
+        generated = module.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=3, do_sample=False,
+                                          pad_token_id=0)
+    return {"sampled": [full(t) for t in sample.logits], "generated": generated}
+
+
+@pytest.mark.parametrize("kwargs", [{"zero_stage": 3}, {"zero_stage": 2}], ids=["dp2-zero3", "dp2-zero2"])
+def test_the_inner_model_called_outside_a_step_is_one_process_model(kwargs: dict[str, Any]) -> None:
+    # A callback sampling from pl_module.model, or generate() after fit: the model's embeddings, norm and head were
+    # the root's, gathered only around the root's forward, and the call failed under ZeRO ("aten.embedding.default
+    # got mixed torch.Tensor and DTensor"). They are now a unit of their own and the call gives one process's logits.
+    ref = run_ranks(_inner_model_outside_the_step, 1, None)[0]
+    for out in run_ranks(_inner_model_outside_the_step, 2, kwargs):
+        for got, want in zip(out["sampled"], ref["sampled"], strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(out["generated"], ref["generated"])

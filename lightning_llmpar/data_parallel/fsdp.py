@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -66,8 +67,26 @@ def apply_data_parallel(
         groups = _buckets(units, BUCKET_BYTES) if zero_stage < 3 else [[unit] for unit in units]
         for group in groups:
             fully_shard(group if len(group) > 1 else group[0], **kwargs)
+        inner = _owner_of_the_rest(model)
+        if inner is not None:  # its inputs left as they were: the root's cast of the batch is the one that ran
+            fully_shard(inner, **{**kwargs, "mp_policy": replace(kwargs["mp_policy"], cast_forward_inputs=False)})
     fully_shard(model, **kwargs)
     return model
+
+
+def _owner_of_the_rest(model: nn.Module) -> nn.Module | None:
+    """The one child of ``model`` that holds every parameter no unit holds yet (a LightningModule's ``self.model``:
+    its embeddings, final norm and head), made a unit of its own. A unit gathers its parameters around its own
+    calls, so ``module.model(x)`` or ``module.model.generate(...)`` called outside a step (after fit, in a callback)
+    finds them gathered; as the root's, they were gathered only around the root's forward, and such a call failed
+    under ZeRO-1-3 (an embedding of DTensor shards). None when the model holds some itself or several children do."""
+    managed = {id(p) for m in model.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+    rest = [name for name, p in model.named_parameters() if id(p) not in managed]
+    owners = {name.split(".", 1)[0] for name in rest}
+    if len(owners) != 1 or any("." not in name for name in rest):
+        return None
+    child = model.get_submodule(owners.pop())
+    return None if isinstance(child, FSDPModule) or not has_forward(child) else child
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb; 50 and 100 MiB measured slower (benchmarks/README.md)
