@@ -555,7 +555,8 @@ def _inner_model_outside_the_step(kwargs: dict[str, Any] | None) -> dict[str, An
                       strategy="auto" if kwargs is None else LLMParallelStrategy(**kwargs), callbacks=[sample],
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       limit_val_batches=0)
-    trainer.fit(module, datamodule=TokenData(8 if kwargs is None else 4))  # the same global batches of 8
+    data_parallel = 1 if kwargs is None else 2 // kwargs.get("tensor_parallel", 1)
+    trainer.fit(module, datamodule=TokenData(8 // data_parallel))  # the same global batches of 8
     with torch.no_grad():
         generated = module.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=3, do_sample=False,
                                           pad_token_id=0)
