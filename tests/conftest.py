@@ -134,7 +134,7 @@ FULL: list[tuple[str, str]] = [
      "one process in bf16 at several sizes, measured (plan() itself is fast)"),
     ("tests/cli/test_quiet_run.py::test_main_job_prints_each_warning_once", "the eight-process main job"),
     ("tests/tensor_parallel/test_regions.py::test_compiled_regions_stay_exact_whatever_they_do_with_their_input*",
-     "compiled regions changing, copying or gating their input (compiled blocks under DDP stay fast in test_replicate)"),
+     "compiled regions changing, copying or gating their input (compiled DDP blocks stay fast in test_replicate)"),
     ("tests/tensor_parallel/test_anomaly_mode.py::test_detect_anomaly_under_tensor_parallelism_trains_as_one_process",
      "torch.autograd.detect_anomaly at tp2 (a debugging mode; tp2 itself is fast everywhere)"),
     ("tests/test_real_setups.py::test_fused_adamw_on_tied_frozen_and_padded_models_matches_one_process",
@@ -165,7 +165,7 @@ FULL: list[tuple[str, str]] = [
     # Loss parallelism, background saves, replica groups: one case of each stays fast.
     ("tests/tensor_parallel/test_loss_parallel.py::test_loss_parallel_with_pipeline_zero_and_context_parallelism",
      "four ranks: tp2 x pp2, dp2 x tp2 x ZeRO-3, cp2 x tp2 (the example GPT's tp2 case is fast)"),
-    ("tests/tensor_parallel/test_loss_parallel.py::test_logit_scale_reentrant_checkpoint_and_compiled_loss_exact_on_split_logits",
+    ("tests/tensor_parallel/test_loss_parallel.py::test_logit_scale_reentrant_checkpoint_and_compiled_loss_exact_*",
      "scaled logits, reentrant checkpointing and a compiled loss on split logits (the example GPT's tp2 case is fast)"),
     ("tests/checkpointing/test_hf.py::test_checkpoints_of_split_fused_and_tied_weights_reshard",
      "split, fused and tied weights resharded between layouts (resuming in another layout is fast in test_checkpoint)"),

@@ -307,8 +307,9 @@ class ActivationCheckpointing(Callback):
 
 
 def _leave_recomputation_to_the_plan(module: nn.Module, mode: Mode) -> None:
-    """transformers' checkpointing (``activation_checkpointing_enable()``, before 5.x ``gradient_checkpointing_enable()``)
-    wraps each layer's call in a checkpoint of its own, around the block this callback wraps. Every block it marks is
+    """transformers' checkpointing (``activation_checkpointing_enable()``, before 5.x
+    ``gradient_checkpointing_enable()``) wraps each layer's call in a checkpoint of its own, around the block this
+    callback wraps. Every block it marks is
     then recomputed in full whatever the plan says ('selective', 'every_k', 'budget'), and with
     ``use_reentrant=True`` twice (three forwards per step). The plan is the more specific request, so transformers'
     flag is turned off: blocks recompute as the plan says and no more."""
@@ -321,8 +322,8 @@ def _leave_recomputation_to_the_plan(module: nn.Module, mode: Mode) -> None:
     rank_zero_warn(
         f"ActivationCheckpointing(mode={mode!r}) decides which blocks recompute; transformers' own checkpointing"
         " (activation_checkpointing_enable() or gradient_checkpointing_enable()) was on as well: it recomputes every"
-        " block in full whatever the plan says, and twice under use_reentrant=True. It is turned off for this model. To keep transformers' instead,"
-        " drop the ActivationCheckpointing callback."
+        " block in full whatever the plan says, and twice under use_reentrant=True. It is turned off for this model."
+        " To keep transformers' instead, drop the ActivationCheckpointing callback."
     )
 
 

@@ -50,9 +50,9 @@ def _lockstep(batches: Iterator[Any], group: Any) -> Iterator[Any]:
             if agreed[1] == 0:
                 rank_zero_warn(
                     f"A stream (IterableDataset) gave the ranks different numbers of batches: every rank stopped after"
-                    f" {yielded}, where the shortest ended, and the ranks with more left the rest out (they would"
-                    " otherwise wait for the others in their next collective). Give every data-parallel rank the"
-                    " same number of batches per epoch: drop the remainder, or pad it."
+                    f" {yielded}, where the shortest part ended, and the ranks with more left the rest out (going on,"
+                    " they would wait in their next collective for a rank that had finished). Give every"
+                    " data-parallel rank the same number of batches per epoch: drop the remainder, or pad it."
                 )
             return
         yielded += 1
