@@ -4,8 +4,8 @@ Lightning's samplers give every data-parallel rank as many batches as the others
 (an ``IterableDataset``, a stream per process) need not: the rank whose part ends first left its loop while the
 others went on into their next collective (a parameter all-gather under ZeRO-3, a gradient all-reduce, a pipeline
 stage's send) and waited for it forever, a hang on GPUs until the process group's timeout. Each batch such a loader
-yields is now agreed on by every rank first (one all-reduce of two integers on a CPU group of its own, so no device
-is synchronized): when one rank has run out, every rank ends the epoch there, and rank zero says how many batches
+yields is now agreed on by every rank first (one all-reduce of two integers on a CPU group, so no device is
+synchronized): when one rank has run out, every rank ends the epoch there, and rank zero says how many batches
 were trained and that the ranks with more left theirs out.
 """
 
@@ -19,21 +19,19 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_llmpar.layout import reuse_groups
+
 __all__ = ["even_out_streams"]
 
-_GROUPS: dict[Any, Any] = {}  # the default group -> this module's CPU group beside it
 _LOCKSTEP_CLASSES: dict[type, type] = {}
 
 
 def _cpu_group() -> Any:
-    """A gloo group of every rank, apart from the one training collectives use (a batch is agreed on while a
-    background save may be using that one). Every rank sets up the same loaders in the same order, so every rank
-    makes it at the same point, once per process group."""
-    world = dist.group.WORLD
-    if world not in _GROUPS:
-        _GROUPS.clear()  # a destroyed default group's
-        _GROUPS[world] = dist.new_group(backend="gloo")
-    return _GROUPS[world]
+    """A CPU group of every rank, as the preemption flags use: the agreement never waits for an accelerator's queue.
+    Made once per process group, when the first stream is iterated (at the same point on every rank)."""
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return reuse_groups(("streams",), lambda: dist.new_group(backend="gloo"))
 
 
 def _lockstep(batches: Iterator[Any], group: Any) -> Iterator[Any]:
