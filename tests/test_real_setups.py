@@ -541,35 +541,37 @@ class _SampleAtEpochEnd(Callback):
 
 
 def _inner_model_outside_the_step(kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    from tests.workloads import HFLlamaModule, TokenData, full
-
-    class SGDLlama(HFLlamaModule):  # SGD: Adam would hide a gradient-scale error
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.5)
+    from tests.workloads import full
+    from tests.zoo import DictTokenData, HFCausalLM, Record
 
     seed_everything(0)
-    module = SGDLlama(tie=True)
+    module = HFCausalLM("llama_tied", frozen="attention")  # SGD, tied, frozen attention projections
     x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    sample = _SampleAtEpochEnd(x)
+    sample, record = _SampleAtEpochEnd(x), Record()
     trainer = Trainer(accelerator="cpu", devices=1 if kwargs is None else 2, max_epochs=2, limit_train_batches=2,
-                      strategy="auto" if kwargs is None else LLMParallelStrategy(**kwargs), callbacks=[sample],
+                      strategy="auto" if kwargs is None else LLMParallelStrategy(**kwargs), callbacks=[sample, record],
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       limit_val_batches=0)
-    data_parallel = 1 if kwargs is None else 2 // kwargs.get("tensor_parallel", 1)
-    trainer.fit(module, datamodule=TokenData(8 // data_parallel))  # the same global batches of 8
+    # The same global batches of 8 right-padded dict rows: rank r of dp2 takes rows r, r + 2, ...
+    trainer.fit(module, datamodule=DictTokenData(8 if kwargs is None else 4, padded=True))
     with torch.no_grad():
         generated = module.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=3, do_sample=False,
                                           pad_token_id=0)
-    return {"sampled": [full(t) for t in sample.logits], "generated": generated}
+    return {"sampled": [full(t) for t in sample.logits], "generated": generated,
+            "logged": [m["train_loss"] for m in record.metrics]}
 
 
-@pytest.mark.parametrize("kwargs", [{"zero_stage": 3}, {"zero_stage": 2}], ids=["dp2-zero3", "dp2-zero2"])
+# Padded rows: "tokens" makes the data-parallel ranks' loss one process's mean over the batch's valid targets.
+@pytest.mark.parametrize("kwargs", [{"zero_stage": 3, "loss_normalization": "tokens"},
+                                    {"zero_stage": 2, "loss_normalization": "tokens"}], ids=["dp2-zero3", "dp2-zero2"])
 def test_the_inner_model_called_outside_a_step_is_one_process_model(kwargs: dict[str, Any]) -> None:
     # A callback sampling from pl_module.model, or generate() after fit: the model's embeddings, norm and head were
     # the root's, gathered only around the root's forward, and the call failed under ZeRO ("aten.embedding.default
     # got mixed torch.Tensor and DTensor"). They are now a unit of their own and the call gives one process's logits.
     ref = run_ranks(_inner_model_outside_the_step, 1, None)[0]
+    assert len(ref["logged"]) == 4 and len(ref["sampled"]) == 2  # two epochs of two steps
     for out in run_ranks(_inner_model_outside_the_step, 2, kwargs):
         for got, want in zip(out["sampled"], ref["sampled"], strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert torch.equal(out["generated"], ref["generated"])
+        assert out["logged"] == pytest.approx(ref["logged"], abs=1e-5)  # the loss the user reads, step by step
