@@ -183,6 +183,7 @@ def _fit_uneven_streams() -> dict[str, Any]:
             warnings.simplefilter("always")
             trainer.fit(module)
         outs[name] = {"steps": trainer.global_step, "params": [full(p) for p in module.parameters()],
+                      "logged": {k: float(trainer.callback_metrics[k]) for k in ("train/loss", "val/loss")},
                       "warnings": [str(w.message) for w in caught if "different numbers of batches" in str(w.message)]}
     for zero in (0, 3):  # predicting needs the peers only where the forward gathers their weight shards
         trainer = Trainer(accelerator="cpu", devices=2, strategy=LLMParallelStrategy(zero_stage=zero, timeout=60),
@@ -201,6 +202,7 @@ def test_streams_that_end_unevenly_stop_every_rank_at_the_shortest() -> None:
         assert out["uneven"]["steps"] == out["even"]["steps"] == 6
         for got, want in zip(out["uneven"]["params"], out["even"]["params"], strict=True):
             torch.testing.assert_close(got, want, atol=0, rtol=0)
+        assert out["uneven"]["logged"] == out["even"]["logged"]  # what the progress bar shows, validation's too
         assert not out["even"]["warnings"]
     said = outs[0]["uneven"]["warnings"]
     assert any("every rank stopped after 3," in m for m in said), said  # training's epochs, at 3 of 5 batches
